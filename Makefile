@@ -1,0 +1,57 @@
+# dtjob — every target installs what it needs, and running it twice does no work twice.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# Build and binary cache, shared by every checkout of this machine (see devcluster/versions.env).
+export DTJOB_CACHE ?= $(HOME)/.cache/dtjob
+PYTEST_ARGS ?=
+
+.PHONY: venv binaries test test-quick lint crds demo bench devcluster-up devcluster-down clean
+
+venv: $(STAMP)
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $@
+
+binaries:
+	@bash devcluster/build-binaries.sh >/dev/null
+
+# Everything CI runs: lint, unit, trainer and e2e tests (the e2e session fixture starts the
+# devcluster when none is up and stops it again at the end).
+test: venv binaries
+	$(PY) -m ruff check .
+	$(PY) -m mypy
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The quick loop: no cluster.
+test-quick: venv
+	$(PY) -m pytest -m "not e2e" $(PYTEST_ARGS)
+
+lint: venv
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) -m mypy
+
+crds: venv
+	$(VENV)/bin/dtjob crd > crds/training.dtjob.io_distributedtrainingjobs.yaml
+	cp crds/training.dtjob.io_distributedtrainingjobs.yaml helm/dtjob/crds/
+
+demo: venv binaries
+	$(PY) -m dtjob.demo
+
+bench: venv
+	$(PY) bench/collectives.py
+	$(PY) bench/training.py
+
+devcluster-up: venv binaries
+	$(VENV)/bin/dtjob devcluster up
+
+devcluster-down: venv
+	$(VENV)/bin/dtjob devcluster down
+
+clean: devcluster-down
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
