@@ -1,0 +1,137 @@
+{{/* Chart name, truncated to 63 characters (the DNS label limit of Kubernetes names). */}}
+{{- define "dtjob.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* "<release>-<chart>", or just the release name when it already contains the chart name. */}}
+{{- define "dtjob.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "dtjob.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "dtjob.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: operator
+{{- end }}
+
+{{/* Labels of everything the release owns, without the component. */}}
+{{- define "dtjob.releaseLabels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+app.kubernetes.io/name: {{ include "dtjob.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: dtjob
+{{- end }}
+
+{{- define "dtjob.labels" -}}
+{{ include "dtjob.releaseLabels" . }}
+app.kubernetes.io/component: operator
+{{- end }}
+
+{{- define "dtjob.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "dtjob.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- required "serviceAccount.name is required when serviceAccount.create is false: name an existing ServiceAccount" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* The workers' ServiceAccount: created per watched namespace, or one the user names. */}}
+{{- define "dtjob.workerServiceAccountCreated" -}}
+{{- if and .Values.workers.serviceAccount.create .Values.watchNamespaces }}true{{ end }}
+{{- end }}
+
+{{- define "dtjob.workerServiceAccountName" -}}
+{{- if .Values.workers.serviceAccount.name }}
+{{- .Values.workers.serviceAccount.name }}
+{{- else if include "dtjob.workerServiceAccountCreated" . }}
+{{- printf "%s-worker" (include "dtjob.fullname" . | trunc 56 | trimSuffix "-") }}
+{{- end }}
+{{- end }}
+
+{{- define "dtjob.peeringName" -}}
+{{- default (include "dtjob.fullname" .) .Values.peering.name }}
+{{- end }}
+
+{{- define "dtjob.image" -}}
+{{- if .Values.image.digest }}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
+{{- else }}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+{{- end }}
+
+{{/*
+Checks across values that the JSON schema cannot express. Included by the Deployment, so
+`helm template`, `lint` and `install` all fail with this message.
+*/}}
+{{- define "dtjob.validate" -}}
+{{- if eq .Values.image.tag "latest" }}
+{{- fail "image.tag \"latest\" is refused: pin a version (e.g. the chart's appVersion) or set image.digest" }}
+{{- end }}
+{{- if eq (int .Values.operator.healthPort) (int .Values.operator.metricsPort) }}
+{{- fail (printf "operator.healthPort and operator.metricsPort are both %v: give them different ports" .Values.operator.healthPort) }}
+{{- end }}
+{{- if and .Values.metrics.serviceMonitor.enabled (not .Values.metrics.service.enabled) }}
+{{- fail "metrics.serviceMonitor.enabled needs metrics.service.enabled: the ServiceMonitor scrapes that Service" }}
+{{- end }}
+{{- end }}
+
+{{/*
+RBAC rules on namespaced resources: the same list for the ClusterRole of an all-namespaces
+install and for the Role in each watched namespace. Each rule lists only the verbs the operator's
+code issues (operator/dtjob/operator/); kopf itself patches the job for its finalizer and
+progress annotations and creates Events.
+*/}}
+{{- define "dtjob.namespacedRules" -}}
+# The jobs: watched, patched (status, kopf's finalizer and annotations), deleted after
+# runPolicy.ttlSecondsAfterFinished.
+- apiGroups: [training.dtjob.io]
+  resources: [distributedtrainingjobs]
+  verbs: [get, list, watch, patch, delete]
+- apiGroups: [training.dtjob.io]
+  resources: [distributedtrainingjobs/status]
+  verbs: [get, patch]
+# Worker pods: created per generation, deleted to stop a gang, watched for failures.
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [get, list, watch, create, delete]
+# The headless Service that gives workers their DNS names; garbage-collected with the job.
+- apiGroups: [""]
+  resources: [services]
+  verbs: [get, list, watch, create]
+# Events: one per phase transition and rescale; kopf also reports handler errors as Events.
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create, patch]
+{{- if .Values.volcano.enabled }}
+# Volcano gang scheduling: one PodGroup per job, resized per generation.
+- apiGroups: [scheduling.volcano.sh]
+  resources: [podgroups]
+  verbs: [get, list, watch, create, patch, delete]
+{{- end }}
+{{- end }}
+
+{{/*
+Cluster-scoped reads. Nodes: a worker whose node turns NotReady or disappears starts a new
+generation, and only the Node object says so (the pod keeps reporting Running until the node
+controller evicts it, minutes later). Read-only: the operator never changes nodes. Nothing else
+cluster-scoped is granted: kopf falls back to its startup discovery without CRD or namespace
+watches (it logs that unless the operator sets settings.scanning.disabled).
+*/}}
+{{- define "dtjob.clusterReadRules" -}}
+# Nodes, read-only: a NotReady or vanished node restarts the gangs with workers on it.
+- apiGroups: [""]
+  resources: [nodes]
+  verbs: [get, list, watch]
+{{- end }}
