@@ -1,0 +1,48 @@
+"""Just enough of a Kubernetes client for the devcluster's own checks (/readyz and the node list),
+over the standard library, with the admin client certificate."""
+
+from __future__ import annotations
+
+import json
+import ssl
+import urllib.error
+import urllib.request
+from typing import Any
+
+from dtjob.devcluster.layout import APISERVER_PORT, Layout
+
+
+class ApiClient:
+    def __init__(self, layout: Layout, timeout: float = 5.0) -> None:
+        self.base = f"https://127.0.0.1:{APISERVER_PORT}"
+        self.timeout = timeout
+        self.context = ssl.create_default_context(cafile=str(layout.ca_cert))
+        self.context.load_cert_chain(str(layout.pki / "admin.crt"), str(layout.pki / "admin.key"))
+
+    def get(self, path: str) -> tuple[int, str]:
+        """(HTTP status, body); status 0 when the server cannot be reached."""
+        try:
+            with urllib.request.urlopen(self.base + path, timeout=self.timeout, context=self.context) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode(errors="replace")
+        except (OSError, ssl.SSLError) as e:
+            return 0, str(e)
+
+    def ready(self) -> bool:
+        status, body = self.get("/readyz")
+        return status == 200 and body.strip() == "ok"
+
+    def node_ready(self) -> dict[str, bool]:
+        """Node name -> whether its Ready condition is True ({} when the server does not answer)."""
+        status, body = self.get("/api/v1/nodes")
+        if status != 200:
+            return {}
+        nodes: list[dict[str, Any]] = json.loads(body).get("items", [])
+        return {
+            n["metadata"]["name"]: any(
+                c.get("type") == "Ready" and c.get("status") == "True"
+                for c in n.get("status", {}).get("conditions", [])
+            )
+            for n in nodes
+        }

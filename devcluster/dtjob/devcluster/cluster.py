@@ -1,0 +1,329 @@
+"""The devcluster as a whole: `up`, `down`, `status`, `env` and node loss (`node stop|start`)."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import shlex
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from dtjob.devcluster import controlplane, network, nodes, processes
+from dtjob.devcluster.apiclient import ApiClient
+from dtjob.devcluster.binaries import Binaries
+from dtjob.devcluster.errors import DevclusterError
+from dtjob.devcluster.layout import CONTROL_PLANE, KUBELET_BASE_PORT, Layout, node_name
+from dtjob.devcluster.nodes import NodeShape
+
+# How long `up` waits for each stage on this shared 2-core machine before giving up.
+COMPONENT_TIMEOUT = 180.0
+NODES_TIMEOUT = 180.0
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """The `up` options; saved in cluster.json so later commands use the same shape."""
+
+    nodes: int = 3
+    gpus_per_node: int = 2
+    cpus_per_node: str = "4"
+    memory_per_node: str = "8Gi"
+
+    @property
+    def node_names(self) -> list[str]:
+        return [node_name(i) for i in range(1, self.nodes + 1)]
+
+    @property
+    def shape(self) -> NodeShape:
+        return NodeShape(self.cpus_per_node, self.memory_per_node, self.gpus_per_node)
+
+
+def load_config(layout: Layout) -> ClusterConfig | None:
+    try:
+        return ClusterConfig(**json.loads(layout.cluster_file.read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+@contextlib.contextmanager
+def locked(layout: Layout) -> Iterator[None]:
+    """One `up`/`down`/`node` at a time per state directory (parallel test sessions share it)."""
+    layout.root.mkdir(parents=True, exist_ok=True)
+    with layout.lock_file.open("w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def marker(layout: Layout) -> str:
+    """Every process of this cluster has a path inside the state directory on its command line."""
+    return f"{layout.root}/"
+
+
+def component_pid(layout: Layout, component: str) -> int | None:
+    return processes.read_pid(layout.pid_file(component), marker(layout))
+
+
+def is_up(layout: Layout) -> bool:
+    """A cluster is up when its API server process is alive (health is `status`'s business)."""
+    return component_pid(layout, "kube-apiserver") is not None
+
+
+def _port_in_use(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("0.0.0.0", port))
+        except OSError:
+            return True
+    return False
+
+
+def check_ports(layout: Layout, config: ClusterConfig) -> None:
+    """Before starting anything: every port a component that is not running yet needs is free."""
+    wanted: list[tuple[int, str]] = []
+    for component in CONTROL_PLANE:
+        if component_pid(layout, component) is None:
+            wanted += [(port, component) for port in controlplane.PORTS[component]]
+    for i, name in enumerate(config.node_names, start=1):
+        if nodes.pid(layout, name) is None:
+            wanted.append((KUBELET_BASE_PORT + i, f"nodelet {name}"))
+    for port, owner in wanted:
+        if _port_in_use(port):
+            raise DevclusterError(
+                f"port {port} (needed by {owner}) is in use by another process; stop it "
+                f"(`ss -ltnp 'sport = :{port}'` shows which) or `dtjob devcluster down` a cluster "
+                f"started from another state directory, then retry"
+            )
+
+
+def _wait(what: str, check: Callable[[], bool], timeout: float, pid: int | None, log: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        if pid is not None and not processes.is_running(pid):
+            raise DevclusterError(
+                f"{what} exited during start-up: {controlplane.last_log_line(log)} (log: {log})"
+            )
+        time.sleep(0.5)
+    raise DevclusterError(f"{what} was not ready after {timeout:.0f}s; see {log}")
+
+
+def up(layout: Layout, requested: dict[str, object], timeout: float = COMPONENT_TIMEOUT) -> int:
+    """Starts whatever of the cluster is not running and waits until it is healthy."""
+    binaries = Binaries.pinned()
+    with locked(layout):
+        saved = load_config(layout)
+        running = is_up(layout)
+        if running and saved is not None:
+            config = saved
+            changed = {k: v for k, v in requested.items() if v is not None and getattr(saved, k) != v}
+            if changed:
+                raise DevclusterError(
+                    f"a cluster is already up in {layout.root} with {asdict(saved)}; "
+                    f"run `dtjob devcluster down` first to change {', '.join(sorted(changed))}"
+                )
+        else:
+            config = ClusterConfig(**{k: v for k, v in requested.items() if v is not None})  # type: ignore[arg-type]
+        if config.nodes < 1 or config.gpus_per_node < 0:
+            raise DevclusterError("--nodes must be >= 1 and --gpus-per-node >= 0")
+
+        binaries.check_buildable()
+        check_ports(layout, config)
+        binaries.build_missing(layout.log("build"))
+        if not running:
+            _reset_logs(layout)
+        for d in (layout.logs, layout.pids, layout.nodes):
+            d.mkdir(parents=True, exist_ok=True)
+        controlplane.ensure_pki(layout)
+        network.ensure_bridge(layout.root / "ip_forward.saved")
+        layout.cluster_file.write_text(json.dumps(asdict(config)) + "\n")
+
+        started: list[str] = []
+        for component in CONTROL_PLANE:
+            pid = component_pid(layout, component)
+            if pid is None:
+                argv = controlplane.command(component, layout, binaries)
+                pid = processes.start(argv, layout.log(component), layout.pid_file(component))
+                started.append(component)
+            _wait(
+                component,
+                lambda c=component: controlplane.healthy(c, layout),  # type: ignore[misc]
+                timeout,
+                pid,
+                layout.log(component),
+            )
+        for name in config.node_names:
+            controlplane.ensure_node_pki(layout, name)
+            if nodes.pid(layout, name) is None:
+                nodes.start(layout, name, config.shape)
+                started.append(name)
+        _wait_nodes_ready(layout, config.node_names, NODES_TIMEOUT)
+        _wait_default_service_account(layout, timeout)
+
+    if started:
+        print(f"devcluster: up in {layout.root} (started {', '.join(started)})")
+    else:
+        print(f"devcluster: already up in {layout.root}; nothing changed")
+    print(f'devcluster: {config.nodes} nodes, run: eval "$(dtjob devcluster env)"')
+    return 0
+
+
+def _reset_logs(layout: Layout) -> None:
+    """A fresh cluster starts with fresh component logs (the build log is kept)."""
+    if layout.logs.is_dir():
+        for log in layout.logs.glob("*.log"):
+            if log.name != "build.log":
+                log.unlink()
+
+
+def _wait_nodes_ready(layout: Layout, names: list[str], timeout: float) -> None:
+    client = ApiClient(layout)
+    deadline = time.monotonic() + timeout
+    ready: dict[str, bool] = {}
+    while time.monotonic() < deadline:
+        ready = client.node_ready()
+        if all(ready.get(n) for n in names):
+            return
+        for name in names:
+            if nodes.pid(layout, name) is None:
+                raise DevclusterError(
+                    f"nodelet {name} exited during start-up: "
+                    f"{controlplane.last_log_line(layout.log(name))} (log: {layout.log(name)})"
+                )
+        time.sleep(0.5)
+    waiting = [n for n in names if not ready.get(n)]
+    raise DevclusterError(
+        f"nodes {', '.join(waiting)} not Ready after {timeout:.0f}s; see {layout.log(waiting[0])}"
+    )
+
+
+def _wait_default_service_account(layout: Layout, timeout: float) -> None:
+    """Pods are rejected until the controller manager created the `default` ServiceAccount, so a
+    test that creates a pod right after `up` would race it."""
+    client = ApiClient(layout)
+    _wait(
+        "the default ServiceAccount",
+        lambda: client.get("/api/v1/namespaces/default/serviceaccounts/default")[0] == 200,
+        timeout,
+        None,
+        layout.log("kube-controller-manager"),
+    )
+
+
+def down(layout: Layout) -> int:
+    """Stops nodes (as node loss does), then the control plane, deletes the bridge, and sweeps up
+    anything left: processes, mounts under the state directory. etcd's data goes too."""
+    with locked(layout):
+        was_up = is_up(layout)
+        names = sorted(p.name for p in layout.nodes.iterdir()) if layout.nodes.is_dir() else []
+        for name in names:
+            nodes.stop(layout, name)
+        for component in reversed(CONTROL_PLANE):
+            pid = component_pid(layout, component)
+            if pid is not None:
+                processes.stop(pid)
+            layout.pid_file(component).unlink(missing_ok=True)
+        network.delete_bridge(layout.root / "ip_forward.saved")
+        leftovers = list(processes.find_by_marker(marker(layout)))
+        for pid in leftovers:
+            processes.kill(pid)
+        _unmount_under(layout.root)
+        for path in (layout.etcd_data, layout.nodes, layout.pids):
+            if path.exists():
+                shutil.rmtree(path)
+        layout.cluster_file.unlink(missing_ok=True)
+    print(f"devcluster: {'down' if was_up else 'nothing was running'} in {layout.root}")
+    return 0
+
+
+def _mounts_under(root: Path) -> list[str]:
+    prefix = f"{root}/"
+    points = [line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()]
+    return [p for p in points if p.startswith(prefix)]
+
+
+def _unmount_under(root: Path) -> None:
+    """Lazily unmounts what a killed pod left mounted inside the state directory (deepest first), so
+    deleting the directory can never reach through a bind mount into a hostPath."""
+    for point in sorted(_mounts_under(root), key=len, reverse=True):
+        subprocess.run(["umount", "-l", point], check=False, capture_output=True)
+    left = _mounts_under(root)
+    if left:
+        raise DevclusterError(f"could not unmount {left[0]}; unmount it by hand, then run `down` again")
+
+
+def env(layout: Layout) -> int:
+    if not is_up(layout):
+        raise DevclusterError(f"no cluster is running in {layout.root}; start one with `dtjob devcluster up`")
+    b = Binaries.pinned()
+    print(f"export KUBECONFIG={shlex.quote(str(layout.admin_kubeconfig))}")
+    print(f'export PATH={shlex.quote(str(b.k8s_dir))}:{shlex.quote(str(b.helm_dir))}:"$PATH"')
+    return 0
+
+
+def status(layout: Layout) -> int:
+    """Prints components and nodes; exit status 0 only when everything is healthy."""
+    config = load_config(layout)
+    if not is_up(layout) or config is None:
+        print(f"devcluster: no cluster is running in {layout.root}")
+        return 1
+    print(f"devcluster: {layout.root} (kubernetes v{Binaries.pinned().kubernetes_version})")
+    print(f"{'COMPONENT':<26}{'PID':>8}  {'ALIVE':<6} HEALTHY")
+    ok = True
+    for component in CONTROL_PLANE:
+        pid = component_pid(layout, component)
+        good = pid is not None and controlplane.healthy(component, layout)
+        ok &= good
+        print(f"{component:<26}{pid or '-':>8}  {_yes(pid is not None):<6} {_yes(good)}")
+    ready = ApiClient(layout).node_ready()
+    print(f"{'NODE':<26}{'PID':>8}  {'ALIVE':<6} READY")
+    for name in config.node_names:
+        pid = nodes.pid(layout, name)
+        good = pid is not None and ready.get(name, False)
+        ok &= good
+        print(f"{name:<26}{pid or '-':>8}  {_yes(pid is not None):<6} {_yes(ready.get(name, False))}")
+    return 0 if ok else 1
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
+def _known_node(layout: Layout, name: str) -> ClusterConfig:
+    config = load_config(layout)
+    if not is_up(layout) or config is None:
+        raise DevclusterError(f"no cluster is running in {layout.root}; start one with `dtjob devcluster up`")
+    if name not in config.node_names:
+        raise DevclusterError(f"no node {name!r}; this cluster has {', '.join(config.node_names)}")
+    return config
+
+
+def node_stop(layout: Layout, name: str) -> int:
+    with locked(layout):
+        _known_node(layout, name)
+        nodes.stop(layout, name)
+    print(f"devcluster: stopped {name} (its lease is no longer renewed; pods killed)")
+    return 0
+
+
+def node_start(layout: Layout, name: str, timeout: float = NODES_TIMEOUT) -> int:
+    with locked(layout):
+        config = _known_node(layout, name)
+        if nodes.pid(layout, name) is not None:
+            print(f"devcluster: {name} is already running")
+            return 0
+        controlplane.ensure_node_pki(layout, name)
+        nodes.start(layout, name, config.shape)
+        _wait_nodes_ready(layout, [name], timeout)
+    print(f"devcluster: started {name}; it is Ready")
+    return 0
