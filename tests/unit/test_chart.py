@@ -1,0 +1,286 @@
+"""The helm chart, rendered and linted by the real helm binary (no cluster needed).
+
+Checks that `helm lint` / `helm template` pass for an all-namespaces and a namespaced install,
+that wrong values are refused with a message naming the key, what the rendered objects contain
+(security context, RBAC scope, operator arguments), and that the chart's CRD is the generated one.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from dtjob.devcluster.binaries import Binaries
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "helm" / "dtjob"
+CRD_FILE = "training.dtjob.io_distributedtrainingjobs.yaml"
+NAMESPACED = ["--set", "watchNamespaces={team-a,team-b}"]
+
+
+def helm_binary() -> Path:
+    helm = Binaries.pinned().path("helm")
+    assert helm.is_file(), f"{helm} is missing: run `make binaries` (devcluster/build-binaries.sh)"
+    return helm
+
+
+def helm(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(helm_binary()), *args], capture_output=True, text=True, timeout=60)
+
+
+def render(*extra: str) -> list[dict[str, Any]]:
+    result = helm("template", "rel", str(CHART), "--namespace", "dtjob-system", *extra)
+    assert result.returncode == 0, result.stderr
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+def only(docs: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
+    found = [d for d in docs if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)]
+    assert len(found) == 1, f"expected one {kind} {name or ''}, got {[d['metadata'] for d in found]}"
+    return found[0]
+
+
+def operator_container(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    containers = only(docs, "Deployment")["spec"]["template"]["spec"]["containers"]
+    assert [c["name"] for c in containers] == ["operator"]
+    return dict(containers[0])
+
+
+@pytest.mark.parametrize("values", [[], NAMESPACED], ids=["all-namespaces", "namespaced"])
+def test_helm_lint_passes(values: list[str]) -> None:
+    result = helm("lint", "--strict", str(CHART), *values)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "0 chart(s) failed" in result.stdout
+
+
+def test_default_install_is_cluster_wide() -> None:
+    docs = render()
+    kinds = sorted(d["kind"] for d in docs)
+    assert kinds == sorted(
+        ["ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Service", "Deployment", "ClusterKopfPeering"]
+    )
+    args = operator_container(docs)["args"]
+    assert "--all-namespaces" in args
+    assert not [a for a in args if a.startswith("--namespace")]
+    binding = only(docs, "ClusterRoleBinding")
+    assert binding["roleRef"]["name"] == only(docs, "ClusterRole")["metadata"]["name"]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "rel-dtjob", "namespace": "dtjob-system"}
+    ]
+    assert f"--peering={only(docs, 'ClusterKopfPeering')['metadata']['name']}" in args
+
+
+def test_namespaced_install_has_a_role_per_namespace_and_reads_only_nodes_cluster_wide() -> None:
+    docs = render(*NAMESPACED)
+    args = operator_container(docs)["args"]
+    assert "--all-namespaces" not in args
+    assert [a for a in args if a.startswith("--namespace")] == ["--namespace=team-a", "--namespace=team-b"]
+    for kind in ("Role", "RoleBinding", "KopfPeering"):
+        assert sorted(d["metadata"]["namespace"] for d in docs if d["kind"] == kind) == ["team-a", "team-b"]
+    assert not [d for d in docs if d["kind"] == "ClusterKopfPeering"]
+    # The only cluster-wide grant: reading nodes.
+    cluster_role = only(docs, "ClusterRole")
+    assert cluster_role["rules"] == [
+        {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]}
+    ]
+    role_resources = {
+        r for d in docs if d["kind"] == "Role" for rule in d["rules"] for r in rule["resources"]
+    }
+    assert {"distributedtrainingjobs", "pods", "events", "services", "kopfpeerings"} <= role_resources
+    # Workers get a ServiceAccount (no binding refers to it) in every watched namespace.
+    workers = [
+        d for d in docs if d["kind"] == "ServiceAccount" and d["metadata"]["name"] == "rel-dtjob-worker"
+    ]
+    assert sorted(w["metadata"]["namespace"] for w in workers) == ["team-a", "team-b"]
+    assert all(w["automountServiceAccountToken"] is False for w in workers)
+    bound = [s["name"] for d in docs if d["kind"].endswith("Binding") for s in d["subjects"]]
+    assert "rel-dtjob-worker" not in bound
+
+
+def test_rbac_grants_no_wildcards_no_secrets_and_nodes_read_only() -> None:
+    for values in ([], NAMESPACED, ["--set", "volcano.enabled=true"]):
+        docs = render(*values)
+        rules = [rule for d in docs if d["kind"] in ("Role", "ClusterRole") for rule in d["rules"]]
+        for rule in rules:
+            assert "*" not in rule["verbs"] + rule["resources"] + rule["apiGroups"], rule
+            assert not {"secrets", "configmaps", "namespaces"} & set(rule["resources"]), rule
+            assert not {"update", "deletecollection", "escalate", "bind", "impersonate"} & set(
+                rule["verbs"]
+            ), rule
+            if "nodes" in rule["resources"]:
+                assert rule["verbs"] == ["get", "list", "watch"]
+
+
+def test_volcano_podgroups_are_granted_only_when_enabled() -> None:
+    def podgroup_rules(*values: str) -> list[dict[str, Any]]:
+        docs = render(*values)
+        return [
+            r for d in docs if d["kind"] == "ClusterRole" for r in d["rules"] if "podgroups" in r["resources"]
+        ]
+
+    assert podgroup_rules() == []
+    (rule,) = podgroup_rules("--set", "volcano.enabled=true")
+    assert rule["apiGroups"] == ["scheduling.volcano.sh"]
+    assert {"create", "delete", "watch"} <= set(rule["verbs"])
+
+
+def test_deployment_is_one_hardened_recreated_replica() -> None:
+    docs = render()
+    deployment = only(docs, "Deployment")
+    assert deployment["spec"]["replicas"] == 1
+    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == only(docs, "ServiceAccount")["metadata"]["name"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    container = operator_container(docs)
+    assert container["command"] == ["dtjob", "operator"]
+    security = container["securityContext"]
+    assert security["runAsNonRoot"] is True
+    assert security["readOnlyRootFilesystem"] is True
+    assert security["allowPrivilegeEscalation"] is False
+    assert security["capabilities"] == {"drop": ["ALL"]}
+    assert security["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert container["resources"]["requests"] and container["resources"]["limits"]
+    # /tmp is the one writable place, an emptyDir.
+    assert container["volumeMounts"] == [{"name": "tmp", "mountPath": "/tmp"}]
+    assert pod["volumes"][0]["name"] == "tmp" and "emptyDir" in pod["volumes"][0]
+    # The liveness probe hits the port the operator is told to serve its health endpoint on.
+    probe = container["livenessProbe"]["httpGet"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert probe["path"] == "/healthz" and probe["port"] == "health"
+    assert f"--health-port={ports['health']}" in container["args"]
+    assert f"--metrics-port={ports['metrics']}" in container["args"]
+
+
+def test_metrics_service_and_optional_service_monitor() -> None:
+    docs = render()
+    service = only(docs, "Service")
+    assert service["spec"]["ports"][0]["targetPort"] == "metrics"
+    assert service["spec"]["selector"] == only(docs, "Deployment")["spec"]["selector"]["matchLabels"]
+    assert not [d for d in docs if d["kind"] == "ServiceMonitor"]
+    monitor = only(render("--set", "metrics.serviceMonitor.enabled=true"), "ServiceMonitor")
+    assert monitor["spec"]["endpoints"][0]["port"] == "metrics"
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+
+
+def test_worker_defaults_reach_the_operator() -> None:
+    values = [
+        "--set",
+        "workers.podSecurityContext.runAsUser=4242",
+        "--set",
+        "workers.serviceAccount.name=trainer",
+    ]
+    env = {e["name"]: e.get("value") for e in operator_container(render(*values))["env"]}
+    assert json.loads(env["DTJOB_WORKER_POD_SECURITY_CONTEXT"])["runAsUser"] == 4242
+    assert json.loads(env["DTJOB_WORKER_SECURITY_CONTEXT"])["allowPrivilegeEscalation"] is False
+    assert env["DTJOB_WORKER_SERVICE_ACCOUNT"] == "trainer"
+    assert env["DTJOB_WORKER_AUTOMOUNT_SERVICE_ACCOUNT_TOKEN"] == "false"
+    # All-namespaces install: no worker ServiceAccount is created (it would exist in one
+    # namespace only), so by default the operator is told none.
+    default_env = {e["name"]: e.get("value") for e in operator_container(render())["env"]}
+    assert default_env["DTJOB_WORKER_SERVICE_ACCOUNT"] == ""
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        (["--set", "replicaCount=-1"], "at '/replicaCount': minimum: got -1, want 0"),
+        (["--set", "replicaCount=2"], "at '/replicaCount': maximum: got 2, want 1"),
+        (["--set", "replicas=1"], "additional properties 'replicas' not allowed"),
+        (
+            ["--set", "operator.metricPort=1"],
+            "at '/operator': additional properties 'metricPort' not allowed",
+        ),
+        (["--set", "image.pullPolicy=Sometimes"], "at '/image/pullPolicy': value must be one of"),
+        (["--set", "image.tag=latest"], 'image.tag "latest" is refused'),
+        (["--set", "watchNamespaces={Team_A}"], "at '/watchNamespaces/0'"),
+        (["--set", "operator.healthPort=70000"], "at '/operator/healthPort': maximum"),
+        (["--set", "operator.healthPort=9090"], "give them different ports"),
+        (["--set", "serviceAccount.create=false"], "serviceAccount.name is required"),
+    ],
+)
+def test_wrong_values_are_refused_with_the_key_named(values: list[str], message: str) -> None:
+    result = helm("template", "rel", str(CHART), *values)
+    assert result.returncode != 0
+    assert message in result.stderr, result.stderr
+
+
+def test_lint_refuses_a_negative_replica_count() -> None:
+    result = helm("lint", str(CHART), "--set", "replicaCount=-1")
+    assert result.returncode != 0
+    assert "at '/replicaCount': minimum" in result.stdout + result.stderr
+
+
+def _leaf_paths(values: dict[str, Any], prefix: str = "") -> list[str]:
+    paths = []
+    for key, value in values.items():
+        if isinstance(value, dict) and value:
+            paths += _leaf_paths(value, f"{prefix}{key}.")
+        else:
+            paths.append(prefix + key)
+    return paths
+
+
+def _schema_at(schema: dict[str, Any], path: str) -> dict[str, Any] | None:
+    node: dict[str, Any] | None = schema
+    for part in path.split("."):
+        if node is None or node.get("additionalProperties", True) is not False:
+            return node  # a free-form Kubernetes object (resources, securityContext, ...)
+        node = node.get("properties", {}).get(part)
+    return node
+
+
+def test_every_value_is_in_the_schema_and_documented() -> None:
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    assert schema["additionalProperties"] is False
+    for path in _leaf_paths(values):
+        assert _schema_at(schema, path) is not None, f"values.yaml key {path} is not in values.schema.json"
+    for key in schema["properties"]:
+        assert key in values or key == "global", f"schema key {key} has no default in values.yaml"
+    # Documented value by value: every key holding a value has a comment right above it, or sits
+    # inside a block whose key has one.
+    lines = (CHART / "values.yaml").read_text().splitlines()
+    open_blocks: list[tuple[int, bool]] = []  # (indent, documented) of the enclosing keys
+    for number, line in enumerate(lines):
+        match = re.match(r"^(\s*)([A-Za-z]\w*):(.*)$", line)
+        if not match:
+            continue
+        indent, key, rest = len(match.group(1)), match.group(2), match.group(3).strip()
+        open_blocks = [block for block in open_blocks if block[0] < indent]
+        commented = number > 0 and lines[number - 1].strip().startswith("#")
+        documented = commented or any(doc for _, doc in open_blocks)
+        if rest:
+            assert documented, f"values.yaml line {number + 1}: {key} has no comment"
+        open_blocks.append((indent, documented))
+
+
+def test_chart_crd_is_the_generated_crd() -> None:
+    generated = REPO / "crds" / CRD_FILE
+    in_chart = CHART / "crds" / CRD_FILE
+    assert generated.is_file(), f"{generated} is missing: run `make crds`"
+    assert in_chart.is_file(), f"{in_chart} is missing: run `make crds`"
+    assert in_chart.read_bytes() == generated.read_bytes(), (
+        f"{in_chart} differs from {generated}: run `make crds`"
+    )
+
+
+def test_chart_ships_kopf_peering_crds() -> None:
+    crds = list(yaml.safe_load_all((CHART / "crds" / "kopf.dev_peerings.yaml").read_text()))
+    names = {c["metadata"]["name"]: c["spec"]["scope"] for c in crds}
+    assert names == {"clusterkopfpeerings.kopf.dev": "Cluster", "kopfpeerings.kopf.dev": "Namespaced"}
+
+
+def test_app_version_is_the_project_version() -> None:
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert chart["appVersion"] == project["version"]
+    assert operator_container(render())["image"].endswith(f":{project['version']}")
