@@ -1,0 +1,52 @@
+"""The DistributedTrainingJob API (training.dtjob.io/v1alpha1): models, rules and the CRD generator.
+
+The operator uses `parse_job` (object -> model) and `validate_job` (the CRD's rules, in Python).
+"""
+
+from dtjob.api.models import (
+    API_VERSION,
+    GROUP,
+    KIND,
+    PLURAL,
+    SHORT_NAME,
+    TRAINER_CONTAINER,
+    VERSION,
+    CheckpointSpec,
+    CheckpointStatus,
+    CleanPodPolicy,
+    Condition,
+    DistributedTrainingJob,
+    DistributedTrainingJobSpec,
+    DistributedTrainingJobStatus,
+    ElasticPolicy,
+    JobPhase,
+    RestartPolicy,
+    RunPolicy,
+    SchedulingPolicy,
+)
+from dtjob.api.rules import InvalidJobError, parse_job, validate_job
+
+__all__ = [
+    "API_VERSION",
+    "GROUP",
+    "KIND",
+    "PLURAL",
+    "SHORT_NAME",
+    "TRAINER_CONTAINER",
+    "VERSION",
+    "CheckpointSpec",
+    "CheckpointStatus",
+    "CleanPodPolicy",
+    "Condition",
+    "DistributedTrainingJob",
+    "DistributedTrainingJobSpec",
+    "DistributedTrainingJobStatus",
+    "ElasticPolicy",
+    "InvalidJobError",
+    "JobPhase",
+    "RestartPolicy",
+    "RunPolicy",
+    "SchedulingPolicy",
+    "parse_job",
+    "validate_job",
+]

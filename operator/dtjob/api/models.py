@@ -1,0 +1,296 @@
+"""The DistributedTrainingJob API (training.dtjob.io/v1alpha1) as pydantic models.
+
+These models are the single source of truth: the CRD (`dtjob crd`), its `kubectl explain` text,
+defaults, CEL rules and the README's field table are all generated from them. Python attribute
+names are snake_case; the YAML/JSON names are the camelCase aliases (`min_replicas` is
+`minReplicas`). `spec.template` and `spec.checkpoint.volume` are plain dicts in Python and are
+validated by the API server against Kubernetes' own PodTemplateSpec / VolumeSource schemas.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import StrEnum
+from typing import Annotated, Any, Final, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
+from pydantic.alias_generators import to_camel
+
+GROUP = "training.dtjob.io"
+VERSION = "v1alpha1"
+API_VERSION: Final = "training.dtjob.io/v1alpha1"
+KIND: Final = "DistributedTrainingJob"
+PLURAL = "distributedtrainingjobs"
+SINGULAR = "distributedtrainingjob"
+SHORT_NAME = "dtj"
+TRAINER_CONTAINER = "trainer"
+DEFAULT_MASTER_PORT = 29500  # torchrun's default rendezvous port
+DEFAULT_METRICS_PORT = 9400
+
+# Marker the CRD generator replaces with the vendored Kubernetes schema of that name.
+K8S_SCHEMA_KEY = "x-dtjob-k8s-schema"
+PodTemplateSpec = Annotated[dict[str, Any], WithJsonSchema({K8S_SCHEMA_KEY: "PodTemplateSpec"})]
+VolumeSource = Annotated[dict[str, Any], WithJsonSchema({K8S_SCHEMA_KEY: "VolumeSource"})]
+
+
+class ApiModel(BaseModel):
+    """camelCase on the wire, snake_case in Python; unknown fields are errors, like the CRD."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, extra="forbid", use_enum_values=False
+    )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The Kubernetes form: camelCase keys, unset optional fields left out."""
+        return self.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+class RestartPolicy(StrEnum):
+    """What a failed worker (non-zero exit other than 75, the planned stop) does to the job."""
+
+    ON_FAILURE = "OnFailure"
+    EXIT_CODE = "ExitCode"
+    NEVER = "Never"
+
+
+class CleanPodPolicy(StrEnum):
+    NONE = "None"
+    RUNNING = "Running"
+    ALL = "All"
+
+
+class JobPhase(StrEnum):
+    PENDING = "Pending"
+    RUNNING = "Running"
+    RESTARTING = "Restarting"
+    SUSPENDED = "Suspended"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+
+
+class ElasticPolicy(ApiModel):
+    min_replicas: int | None = Field(
+        default=None,
+        ge=1,
+        description="Smallest world size the job may shrink to when workers or nodes are lost. "
+        "Unset: spec.replicas (the job never shrinks). Must be <= spec.replicas.",
+    )
+    max_replicas: int | None = Field(
+        default=None,
+        ge=1,
+        description="Largest world size `kubectl scale` may ask for. Unset: no upper bound. "
+        "Must be >= spec.replicas.",
+    )
+    max_restarts: int = Field(
+        default=3,
+        ge=0,
+        description="Gang restarts after worker failures before the job is marked Failed. Planned "
+        "rescales and suspends do not count; node loss does.",
+    )
+    unschedulable_timeout_seconds: int = Field(
+        default=60,
+        ge=1,
+        description="How long new workers may stay unschedulable before the job shrinks to the "
+        "workers that fit (never below minReplicas).",
+    )
+    restart_policy: RestartPolicy = Field(
+        default=RestartPolicy.EXIT_CODE,
+        description="On a worker failure: OnFailure restarts the gang; Never fails the job; "
+        "ExitCode fails the job at once when the exit code is in permanentExitCodes and "
+        "restarts the gang otherwise.",
+    )
+    permanent_exit_codes: list[Annotated[int, Field(ge=1, le=255)]] = Field(
+        default_factory=lambda: [2, 126, 127],
+        max_length=64,
+        description="Exit codes that are permanent errors under restartPolicy ExitCode (2: the "
+        "trainer rejected its flags; 126/127: command not executable / not found).",
+        json_schema_extra={"default": [2, 126, 127]},
+    )
+
+
+class CheckpointSpec(ApiModel):
+    volume: VolumeSource = Field(
+        description="Where checkpoints live: a Kubernetes volume source (persistentVolumeClaim, "
+        "hostPath, nfs, ...) that every worker can reach. Workers resume from its newest "
+        "complete checkpoint at whatever world size the new generation has.",
+    )
+    mount_path: str = Field(
+        default="/checkpoints",
+        pattern=r"^/",
+        description="Absolute path at which the volume is mounted in the trainer container; "
+        "given to the trainer as DTJOB_CHECKPOINT_DIR.",
+    )
+
+
+class SchedulingPolicy(ApiModel):
+    scheduler_name: str | None = Field(
+        default=None,
+        description="schedulerName of the worker pods. `volcano` also creates a Volcano PodGroup "
+        "for the gang. Unset: the template's schedulerName or the cluster default.",
+    )
+    queue: str | None = Field(
+        default=None, description="Volcano queue of the job's PodGroup. Needs gang or schedulerName volcano."
+    )
+    priority_class_name: str | None = Field(
+        default=None, description="PriorityClass of the worker pods and of the PodGroup."
+    )
+    gang: bool = Field(
+        default=False,
+        description="Schedule all workers of a generation together or none (a Volcano PodGroup "
+        "with minMember = the generation's world size).",
+    )
+
+
+class RunPolicy(ApiModel):
+    active_deadline_seconds: int | None = Field(
+        default=None,
+        ge=1,
+        description="Seconds the job may run (since startTime) before it is failed with reason "
+        "DeadlineExceeded. Unset: no limit.",
+    )
+    ttl_seconds_after_finished: int | None = Field(
+        default=None,
+        ge=0,
+        description="Seconds after Succeeded or Failed before the job and its children are "
+        "deleted. Unset: kept.",
+    )
+    clean_pod_policy: CleanPodPolicy = Field(
+        default=CleanPodPolicy.RUNNING,
+        description="Which worker pods to delete when the job finishes: None, Running (those "
+        "still running; finished pods stay for their logs) or All.",
+    )
+    suspend: bool = Field(
+        default=False,
+        description="True: workers checkpoint and stop, and the job waits as Suspended; false "
+        "again resumes from that checkpoint.",
+    )
+
+
+class DistributedTrainingJobSpec(ApiModel):
+    replicas: int = Field(
+        ge=1,
+        description="Desired world size: the number of worker pods. `kubectl scale` sets it "
+        "within [elastic.minReplicas, elastic.maxReplicas].",
+    )
+    elastic: ElasticPolicy = Field(
+        default_factory=lambda: ElasticPolicy(),
+        description="Elastic bounds and failure handling.",
+        json_schema_extra={"default": {}},
+    )
+    checkpoint: CheckpointSpec | None = Field(
+        default=None,
+        description="Shared checkpoint storage. Unset: every new generation starts from step 0. Immutable.",
+    )
+    scheduling: SchedulingPolicy = Field(
+        default_factory=lambda: SchedulingPolicy(),
+        description="Scheduler, Volcano queue, priority and gang scheduling.",
+        json_schema_extra={"default": {}},
+    )
+    run_policy: RunPolicy = Field(
+        default_factory=lambda: RunPolicy(),
+        description="Deadline, clean-up and suspension.",
+        json_schema_extra={"default": {}},
+    )
+    master_port: int = Field(
+        default=DEFAULT_MASTER_PORT,
+        ge=1,
+        le=65535,
+        description="Rendezvous port on rank 0 (MASTER_PORT). Immutable.",
+    )
+    metrics_port: int = Field(
+        default=DEFAULT_METRICS_PORT,
+        ge=1,
+        le=65535,
+        description="Port of each worker's Prometheus endpoint (DTJOB_METRICS_PORT), which the "
+        "operator reads step and checkpoint progress from.",
+    )
+    template: PodTemplateSpec = Field(
+        description="Pod template of every worker; it must have a container named `trainer`, "
+        "and a restartPolicy of Never if any (the operator restarts the gang). Immutable.",
+    )
+
+    @property
+    def min_world_size(self) -> int:
+        """The smallest world size the job may run at: elastic.minReplicas, else replicas."""
+        return self.elastic.min_replicas or self.replicas
+
+    def trainer_container(self) -> dict[str, Any] | None:
+        """The template's container named `trainer`, if there is one."""
+        containers = (self.template.get("spec") or {}).get("containers") or []
+        named = (c for c in containers if isinstance(c, dict) and c.get("name") == TRAINER_CONTAINER)
+        return next(named, None)
+
+
+class Condition(ApiModel):
+    type: str = Field(
+        description="Condition type: Created, Running, Restarting, Suspended, Succeeded or Failed."
+    )
+    status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
+    reason: str | None = Field(default=None, description="One-word CamelCase reason for the last transition.")
+    message: str | None = Field(default=None, description="Human-readable details of the last transition.")
+    last_transition_time: datetime | None = Field(
+        default=None, description="When the status of this condition last changed."
+    )
+    last_update_time: datetime | None = Field(
+        default=None, description="When this condition was last updated."
+    )
+
+
+class CheckpointStatus(ApiModel):
+    step: int = Field(ge=0, description="Training step the checkpoint holds.")
+    time: datetime | None = Field(default=None, description="When the checkpoint was completed.")
+
+
+class DistributedTrainingJobStatus(ApiModel):
+    phase: JobPhase | None = Field(
+        default=None, description="Pending, Running, Restarting, Suspended, Succeeded or Failed."
+    )
+    conditions: list[Condition] = Field(
+        default_factory=list, description="Latest observations of the job's state, one per type."
+    )
+    replicas: int | None = Field(
+        default=None, ge=0, description="World size of the current generation (number of workers)."
+    )
+    ready_replicas: int | None = Field(default=None, ge=0, description="Workers of this generation running.")
+    selector: str | None = Field(
+        default=None, description="Label selector of the worker pods (for the scale subresource)."
+    )
+    generation: int | None = Field(
+        default=None,
+        ge=0,
+        description="Gang generation number: 0 for the first gang, +1 at each restart or rescale.",
+    )
+    restarts: int | None = Field(
+        default=None, ge=0, description="Gang restarts caused by failures, counted against maxRestarts."
+    )
+    step: int | None = Field(default=None, ge=0, description="Latest training step reported by rank 0.")
+    last_checkpoint: CheckpointStatus | None = Field(default=None, description="Newest complete checkpoint.")
+    observed_generation: int | None = Field(
+        default=None, description="metadata.generation of the spec the operator last acted on."
+    )
+    start_time: datetime | None = Field(default=None, description="When the first worker started.")
+    completion_time: datetime | None = Field(default=None, description="When the job succeeded or failed.")
+
+
+class DistributedTrainingJob(ApiModel):
+    """DistributedTrainingJob runs a gang of PyTorch workers that restarts elastically."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    api_version: Literal["training.dtjob.io/v1alpha1"] = Field(
+        default=API_VERSION, description="training.dtjob.io/v1alpha1"
+    )
+    kind: Literal["DistributedTrainingJob"] = Field(default=KIND, description="DistributedTrainingJob")
+    metadata: dict[str, Any] = Field(default_factory=dict, description="Standard object metadata.")
+    spec: DistributedTrainingJobSpec = Field(description="Desired state of the job.")
+    status: DistributedTrainingJobStatus = Field(
+        default_factory=lambda: DistributedTrainingJobStatus(), description="Observed state of the job."
+    )
+
+    @property
+    def name(self) -> str:
+        return str(self.metadata.get("name", ""))
+
+    @property
+    def namespace(self) -> str:
+        return str(self.metadata.get("namespace", "default"))

@@ -1,0 +1,205 @@
+"""Cross-field rules of a DistributedTrainingJob, once for the API server (CEL) and once in Python.
+
+Each rule carries its CEL expression (emitted into the CRD as an `x-kubernetes-validations`
+entry on `spec`, where `self` is the spec) and the same check in Python, so the operator can
+validate again: an API server without CEL, or an object written before the CRD was updated,
+cannot get a bad job past it. The messages are shared, and both name the offending field.
+
+Immutable fields (transition rules, checked on update only):
+- `masterPort`: it is baked into the running workers' MASTER_PORT; a gang whose members disagree
+  on the rendezvous port never forms.
+- `checkpoint`: the job's training state lives there; switching storage mid-job would silently
+  restart from step 0 or resume a different run.
+- `template`: the running gang was created from it; an elastic restart would mix pods of two
+  templates in one process group, and new code may not load the old checkpoints. As with
+  batch/v1 Job, change the template by creating a new job.
+Everything else may change while a job runs: `replicas` (a planned rescale), the elastic bounds,
+the scheduling policy (used by the next generation) and the run policy (`suspend`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from dtjob.api.models import TRAINER_CONTAINER, DistributedTrainingJob, DistributedTrainingJobSpec
+
+
+@dataclass(frozen=True)
+class Rule:
+    """`field` is the path under spec the error is reported on (as `spec.<field>`)."""
+
+    field: str
+    cel: str
+    message: str
+    ok: Callable[[DistributedTrainingJobSpec], bool]
+
+
+@dataclass(frozen=True)
+class TransitionRule:
+    """A rule over the new and the old spec (`self`, `oldSelf`), checked on update."""
+
+    field: str
+    cel: str
+    message: str
+    ok: Callable[[DistributedTrainingJobSpec, DistributedTrainingJobSpec], bool]
+
+
+def _pod_spec(spec: DistributedTrainingJobSpec) -> dict[str, Any]:
+    pod_spec = spec.template.get("spec")
+    return pod_spec if isinstance(pod_spec, dict) else {}
+
+
+RULES: tuple[Rule, ...] = (
+    Rule(
+        "replicas",
+        "!has(self.elastic) || !has(self.elastic.minReplicas) || self.replicas >= self.elastic.minReplicas",
+        "replicas must be >= elastic.minReplicas",
+        lambda s: s.elastic.min_replicas is None or s.replicas >= s.elastic.min_replicas,
+    ),
+    Rule(
+        "replicas",
+        "!has(self.elastic) || !has(self.elastic.maxReplicas) || self.replicas <= self.elastic.maxReplicas",
+        "replicas must be <= elastic.maxReplicas",
+        lambda s: s.elastic.max_replicas is None or s.replicas <= s.elastic.max_replicas,
+    ),
+    Rule(
+        "elastic.maxReplicas",
+        "!has(self.elastic) || !has(self.elastic.minReplicas) || !has(self.elastic.maxReplicas)"
+        " || self.elastic.minReplicas <= self.elastic.maxReplicas",
+        "elastic.maxReplicas must be >= elastic.minReplicas",
+        lambda s: (
+            s.elastic.min_replicas is None
+            or s.elastic.max_replicas is None
+            or s.elastic.min_replicas <= s.elastic.max_replicas
+        ),
+    ),
+    Rule(
+        "template.spec.containers",
+        "has(self.template.spec)"
+        f" && self.template.spec.containers.exists(c, c.name == '{TRAINER_CONTAINER}')",
+        f"template.spec.containers must include a container named '{TRAINER_CONTAINER}'",
+        lambda s: s.trainer_container() is not None,
+    ),
+    Rule(
+        "template.spec.restartPolicy",
+        "!has(self.template.spec) || !has(self.template.spec.restartPolicy)"
+        " || self.template.spec.restartPolicy == 'Never'",
+        "template.spec.restartPolicy must be Never (the operator restarts the whole gang)",
+        lambda s: _pod_spec(s).get("restartPolicy", "Never") == "Never",
+    ),
+    Rule(
+        "metricsPort",
+        "self.metricsPort != self.masterPort",
+        "metricsPort must differ from masterPort",
+        lambda s: s.metrics_port != s.master_port,
+    ),
+    Rule(
+        "scheduling.queue",
+        "!has(self.scheduling) || !has(self.scheduling.queue) || self.scheduling.gang"
+        " || (has(self.scheduling.schedulerName) && self.scheduling.schedulerName == 'volcano')",
+        "scheduling.queue needs scheduling.gang: true or scheduling.schedulerName: volcano",
+        lambda s: s.scheduling.queue is None or s.scheduling.gang or s.scheduling.scheduler_name == "volcano",
+    ),
+)
+
+TRANSITION_RULES: tuple[TransitionRule, ...] = (
+    TransitionRule(
+        "masterPort",
+        "self.masterPort == oldSelf.masterPort",
+        "masterPort is immutable",
+        lambda new, old: new.master_port == old.master_port,
+    ),
+    TransitionRule(
+        "checkpoint",
+        "has(self.checkpoint) == has(oldSelf.checkpoint)"
+        " && (!has(self.checkpoint) || self.checkpoint == oldSelf.checkpoint)",
+        "checkpoint is immutable",
+        lambda new, old: new.checkpoint == old.checkpoint,
+    ),
+    TransitionRule(
+        "template",
+        "self.template == oldSelf.template",
+        "template is immutable (create a new job to change it)",
+        lambda new, old: new.template == old.template,
+    ),
+)
+
+
+# Worker pod names are `<job>-worker-<rank>` and double as hostnames (DNS labels, <= 63
+# characters): 63 - len("-worker-") - 5 rank digits = 50. The job name is also the headless
+# Service's name, so it must be a DNS-1035 label (no dots, starts with a letter).
+MAX_JOB_NAME_LENGTH = 50
+JOB_NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+NAME_MESSAGE = (
+    f"metadata.name must be a DNS-1035 label of at most {MAX_JOB_NAME_LENGTH} characters "
+    "(it names the Service and the `<name>-worker-<rank>` hostnames)"
+)
+NAME_CEL = (
+    "!has(self.metadata.name) || (size(self.metadata.name) <= "
+    f"{MAX_JOB_NAME_LENGTH} && self.metadata.name.matches('{JOB_NAME_PATTERN}'))"
+)
+
+
+def name_ok(name: str) -> bool:
+    return len(name) <= MAX_JOB_NAME_LENGTH and re.fullmatch(JOB_NAME_PATTERN, name) is not None
+
+
+def cel_validations() -> list[dict[str, str]]:
+    """The `x-kubernetes-validations` of the CRD's spec schema."""
+    rules: list[Rule | TransitionRule] = [*RULES, *TRANSITION_RULES]
+    return [
+        {"rule": r.cel, "message": r.message, "fieldPath": f".{r.field}", "reason": "FieldValueInvalid"}
+        for r in rules
+    ]
+
+
+class InvalidJobError(ValueError):
+    """A manifest that is not a valid DistributedTrainingJob; `errors` name the fields."""
+
+    def __init__(self, errors: list[str]) -> None:
+        super().__init__("invalid DistributedTrainingJob: " + "; ".join(errors))
+        self.errors = errors
+
+
+def _pydantic_messages(error: ValidationError) -> list[str]:
+    messages = []
+    for e in error.errors():
+        path = ".".join(str(part) for part in e["loc"])
+        messages.append(f"{path}: {e['msg']}")
+    return messages
+
+
+def parse_job(obj: dict[str, Any]) -> DistributedTrainingJob:
+    """The object as a model (defaults filled in); InvalidJobError names each bad field."""
+    try:
+        return DistributedTrainingJob.model_validate(obj)
+    except ValidationError as error:
+        raise InvalidJobError(_pydantic_messages(error)) from None
+
+
+def validate_job(
+    job: dict[str, Any] | DistributedTrainingJob,
+    old: dict[str, Any] | DistributedTrainingJob | None = None,
+) -> list[str]:
+    """Every problem of `job` (and of the update from `old`, if given): `spec.<field>: message`."""
+    try:
+        new = job if isinstance(job, DistributedTrainingJob) else parse_job(job)
+    except InvalidJobError as error:
+        return error.errors
+    problems = [f"spec.{r.field}: {r.message}" for r in RULES if not r.ok(new.spec)]
+    if "name" in new.metadata and not name_ok(new.name):
+        problems.insert(0, f"metadata.name: {NAME_MESSAGE}")
+    if old is not None:
+        try:
+            previous = old if isinstance(old, DistributedTrainingJob) else parse_job(old)
+        except InvalidJobError:
+            return problems  # the old object is not ours to judge; nothing to compare with
+        problems += [
+            f"spec.{r.field}: {r.message}" for r in TRANSITION_RULES if not r.ok(new.spec, previous.spec)
+        ]
+    return problems
