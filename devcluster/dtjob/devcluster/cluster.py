@@ -134,8 +134,8 @@ def up(layout: Layout, requested: dict[str, object], timeout: float = COMPONENT_
                 )
         else:
             config = ClusterConfig(**{k: v for k, v in requested.items() if v is not None})  # type: ignore[arg-type]
-        if config.nodes < 1 or config.gpus_per_node < 0:
-            raise DevclusterError("--nodes must be >= 1 and --gpus-per-node >= 0")
+        if config.nodes < 0 or config.gpus_per_node < 0:
+            raise DevclusterError("--nodes and --gpus-per-node must be >= 0 (--nodes 0: control plane only)")
 
         binaries.check_buildable()
         check_ports(layout, config)
