@@ -1,0 +1,88 @@
+"""`python -m dtjob.trainer` (also `dtjob train`): one worker of a distributed training job.
+
+Exit status: 0 training complete; 75 stopped on SIGTERM/SIGINT after writing a checkpoint;
+2 bad flags or environment, or the master unreachable (one line on stderr names the problem);
+3 this worker's DTJOB_GENERATION differs from its gang's; 1 any other failure, such as a peer
+lost mid-step (the collective fails within --collective-timeout).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import traceback
+
+from dtjob.trainer.config import EXIT_CONFIG_ERROR, ConfigError, TrainerConfig, parse
+from dtjob.trainer.signals import StopRequest
+
+EXIT_FAILURE = 1
+EXIT_STALE_GENERATION = 3
+
+
+def _fail(code: int, message: str) -> int:
+    """Print one line and leave at once: background communication threads must not delay exit."""
+    print(f"dtjob-trainer: error: {message}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(code)
+
+
+def _setup_logging(c: TrainerConfig) -> None:
+    logging.basicConfig(
+        stream=sys.stderr,
+        level=logging.INFO,
+        format=f"dtjob-trainer[rank {c.rank}] %(asctime)s %(levelname)s %(message)s",
+        datefmt="%H:%M:%S",
+        force=True,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    stop = StopRequest()
+    stop.install()  # first of all: a SIGTERM during start-up still means "stop cleanly"
+    try:
+        config = parse(sys.argv[1:] if argv is None else argv)
+    except ConfigError as err:
+        print(f"dtjob-trainer: error: {err}", file=sys.stderr, flush=True)
+        return EXIT_CONFIG_ERROR
+    _setup_logging(config)
+
+    # Imported only now: torch takes seconds to import, and a bad flag should not wait for it.
+    import torch.distributed as dist
+
+    from dtjob.trainer.checkpoint import CheckpointError
+    from dtjob.trainer.elastic import RendezvousError, StaleGenerationError
+    from dtjob.trainer.loop import Trainer, open_output
+    from dtjob.trainer.metrics import TrainerMetrics
+
+    metrics = TrainerMetrics()
+    metrics.world_size.set(config.world_size)
+    metrics.generation.set(config.generation)
+    metrics.rank.set(config.rank)
+    try:
+        if config.metrics_port:
+            port = config.metrics_port + config.local_rank
+            try:
+                metrics.serve(port)
+            except OSError as err:
+                raise ConfigError(f"--metrics-port: cannot serve on port {port}: {err}") from None
+        trainer = Trainer(config, stop, metrics)
+        with open_output(config) as out:
+            code = trainer.run(out)
+    except (ConfigError, RendezvousError) as err:
+        return _fail(EXIT_CONFIG_ERROR, str(err))
+    except StaleGenerationError as err:
+        return _fail(EXIT_STALE_GENERATION, str(err))
+    except CheckpointError as err:
+        return _fail(EXIT_FAILURE, f"checkpoint: {err}")
+    except Exception as err:
+        traceback.print_exc()
+        first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        return _fail(EXIT_FAILURE, f"rank {config.rank} failed: {type(err).__name__}: {first_line}")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

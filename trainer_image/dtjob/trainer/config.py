@@ -1,0 +1,239 @@
+"""The trainer's configuration: every flag, its environment variable, and the checks between them.
+
+`TrainerConfig` is the single description of a run. Each field below is one command-line flag
+(`--global-batch-size` for `global_batch_size`) that can also be set from an environment variable
+(`DTJOB_GLOBAL_BATCH_SIZE`); a flag wins over its variable, the variable over the default. The
+process-group fields (`rank`, `world_size`, `master_addr`, `master_port`, `local_rank`) read the
+torchrun-compatible variables `RANK`, `WORLD_SIZE`, ... that the operator sets on every worker pod.
+
+This module does not import torch, so a bad flag is reported in a fraction of a second. Every
+problem is a `ConfigError` whose message names the flag (and its environment variable) and what
+to do; the entry point prints it as one line and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
+
+EXIT_CONFIG_ERROR = 2
+
+
+class ConfigError(Exception):
+    """A flag or environment variable is missing, malformed, or inconsistent with another."""
+
+
+def _opt(
+    default: Any,
+    help: str,
+    *,
+    env: str | None = None,
+    choices: Sequence[str] | None = None,
+    flag: bool = True,
+) -> Any:
+    """A dataclass field carrying its flag's help, env variable name and allowed values."""
+    return field(default=default, metadata={"help": help, "env": env, "choices": choices, "flag": flag})
+
+
+@dataclass
+class TrainerConfig:
+    """Everything one trainer process needs to know; see each field's help for its meaning."""
+
+    # --- parallelism -------------------------------------------------------------------------
+    strategy: str = _opt("ddp", "parallel strategy", choices=("ddp", "fsdp", "pipeline"))
+    zero_stage: int = _opt(3, "ZeRO stage for --strategy fsdp: 1 optimizer state, 2 +gradients, 3 +params")
+    pipeline_stages: int = _opt(2, "pipeline stages for --strategy pipeline; WORLD_SIZE must be a multiple")
+    microbatches: int = _opt(4, "micro-batches per step for --strategy pipeline")
+    schedule: str = _opt("1f1b", "pipeline schedule", choices=("gpipe", "1f1b"))
+    collective: str = _opt(
+        "auto", "collective algorithm (native = torch's gloo)", choices=("auto", "ring", "hd", "native")
+    )
+    precision: str = _opt(
+        "fp32", "compute precision (bf16 keeps fp32 master weights)", choices=("fp32", "bf16")
+    )
+    # --- model -------------------------------------------------------------------------------
+    model: str = _opt("gpt", "model architecture", choices=("gpt", "mlp"))
+    layers: int = _opt(2, "transformer blocks (gpt) or hidden layers (mlp)")
+    dim: int = _opt(64, "model width")
+    heads: int = _opt(4, "attention heads (gpt); must divide --dim")
+    seq_len: int = _opt(64, "tokens (bytes) per sample")
+    # --- data and optimisation ---------------------------------------------------------------
+    data: str | None = _opt(None, "file or directory of text files (default: Python's standard library)")
+    steps: int = _opt(200, "total optimizer steps of the run (resumed runs count from the checkpoint)")
+    global_batch_size: int = _opt(16, "samples per step over all ranks; split evenly between replicas")
+    lr: float = _opt(3e-3, "peak learning rate (AdamW)")
+    warmup_steps: int = _opt(10, "steps of linear warm-up from 0 to --lr")
+    min_lr: float = _opt(3e-4, "learning rate at the end of the cosine decay")
+    weight_decay: float = _opt(0.0, "AdamW weight decay")
+    grad_clip: float = _opt(0.0, "clip the global gradient norm to this value (0: off)")
+    seed: int = _opt(0, "seed of model init and data order")
+    # --- checkpoints -------------------------------------------------------------------------
+    checkpoint_dir: str | None = _opt(None, "directory of checkpoints (default: no checkpoints)")
+    checkpoint_every: int = _opt(50, "write a checkpoint every N steps (0: only at the end and on SIGTERM)")
+    keep_checkpoints: int = _opt(3, "how many of the newest checkpoints to keep")
+    # --- observability and timeouts ----------------------------------------------------------
+    metrics_port: int = _opt(0, "Prometheus port; each process serves on port + LOCAL_RANK (0: off)")
+    log_file: str | None = _opt(None, "append the per-step JSON lines here instead of stdout")
+    collective_timeout: float = _opt(60.0, "seconds a collective may wait for a peer before failing")
+    rendezvous_timeout: float = _opt(300.0, "seconds to wait for the master and the whole gang at start")
+    # --- the gang (torchrun-compatible environment, set by the operator) ------------------------
+    rank: int = _opt(0, "this process's rank", env="RANK")
+    world_size: int = _opt(1, "number of processes in the gang", env="WORLD_SIZE")
+    local_rank: int = _opt(0, "rank on this machine (offsets --metrics-port)", env="LOCAL_RANK")
+    master_addr: str = _opt("127.0.0.1", "host of rank 0's rendezvous store", env="MASTER_ADDR")
+    master_port: int = _opt(29500, "port of rank 0's rendezvous store", env="MASTER_PORT")
+    generation: int = _opt(
+        0, "gang generation; workers of another generation refuse to join", env="DTJOB_GENERATION"
+    )
+    job_name: str = _opt("", "name of the DistributedTrainingJob (labels only)", env="DTJOB_JOB_NAME")
+    namespace: str = _opt("", "namespace of the job (labels only)", env="DTJOB_NAMESPACE")
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Replicas that split the global batch (pipeline stages of one replica share a slice)."""
+        if self.strategy == "pipeline":
+            return self.world_size // self.pipeline_stages
+        return self.world_size
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(TrainerConfig)}
+
+
+def flag_of(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def env_of(name: str) -> str:
+    env: str | None = _FIELDS[name].metadata["env"]
+    return env if env else "DTJOB_" + name.upper()
+
+
+def _where(name: str) -> str:
+    return f"{flag_of(name)} (env {env_of(name)})"
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one line on stderr and exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(message)
+
+
+def _field_type(f: dataclasses.Field[Any]) -> type:
+    text = str(f.type)
+    for name, kind in (("int", int), ("float", float)):
+        if text.startswith(name):
+            return kind
+    return str
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _OneLineParser(
+        prog="python -m dtjob.trainer",
+        allow_abbrev=False,
+        description="dtjob trainer: one worker of an elastic distributed training job.",
+        epilog="Every flag can also be set from the environment variable shown in its help.",
+    )
+    for name, f in _FIELDS.items():
+        meta = f.metadata
+        help_ = f"{meta['help']} [env {env_of(name)}; default {f.default}]"
+        # Defaults are applied later (flag > env > default), so every flag parses to None when absent.
+        parser.add_argument(flag_of(name), dest=name, metavar=name.upper(), default=None, help=help_)
+    return parser
+
+
+def _convert(name: str, raw: str, source: str) -> Any:
+    f = _FIELDS[name]
+    kind = _field_type(f)
+    choices: Sequence[str] | None = f.metadata["choices"]
+    try:
+        value: Any = kind(raw)
+    except ValueError:
+        raise ConfigError(f"{source}: expected {kind.__name__}, got {raw!r}") from None
+    if choices is not None and value not in choices:
+        raise ConfigError(f"{source}: unknown value {raw!r}; choose one of {', '.join(choices)}") from None
+    return value
+
+
+def parse(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> TrainerConfig:
+    """Build and check the configuration from flags and environment; raise `ConfigError`."""
+    env = os.environ if environ is None else environ
+    args = vars(_parser().parse_args(list(argv)))
+    values: dict[str, Any] = {}
+    for name in _FIELDS:
+        if args[name] is not None:
+            values[name] = _convert(name, args[name], f"flag {flag_of(name)}")
+        elif env.get(env_of(name), "") != "":
+            values[name] = _convert(name, env[env_of(name)], f"environment variable {env_of(name)}")
+    config = TrainerConfig(**values)
+    validate(config)
+    return config
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def validate(c: TrainerConfig) -> None:
+    """The checks between fields; each message names the flag(s) and the fix."""
+    for name in ("layers", "dim", "heads", "seq_len", "steps", "global_batch_size", "world_size"):
+        _require(getattr(c, name) >= 1, f"{_where(name)} must be at least 1, got {getattr(c, name)}")
+    for name in ("warmup_steps", "checkpoint_every", "seed", "rank", "local_rank", "generation"):
+        _require(getattr(c, name) >= 0, f"{_where(name)} must be 0 or more, got {getattr(c, name)}")
+    _require(c.keep_checkpoints >= 1, f"{_where('keep_checkpoints')} must be at least 1")
+    _require(c.grad_clip >= 0, f"{_where('grad_clip')} must be 0 (off) or positive, got {c.grad_clip}")
+    _require(c.lr > 0 and c.min_lr >= 0, f"{_where('lr')} must be > 0 and {_where('min_lr')} >= 0")
+    _require(0 <= c.metrics_port < 65536, f"{_where('metrics_port')} must be a port number, or 0 for off")
+    _require(0 < c.master_port < 65536, f"{_where('master_port')} must be a port number")
+    _require(c.collective_timeout > 0, f"{_where('collective_timeout')} must be positive seconds")
+    _require(c.rendezvous_timeout > 0, f"{_where('rendezvous_timeout')} must be positive seconds")
+    _require(
+        c.rank < c.world_size,
+        f"{_where('rank')}={c.rank} must be below {_where('world_size')}={c.world_size}",
+    )
+    if c.strategy == "fsdp":
+        _require(c.zero_stage in (1, 2, 3), f"{_where('zero_stage')} must be 1, 2 or 3, got {c.zero_stage}")
+    if c.model == "gpt":
+        _require(
+            c.dim % c.heads == 0, f"{_where('dim')}={c.dim} must be divisible by {_where('heads')}={c.heads}"
+        )
+    replicas = c.world_size
+    if c.strategy == "pipeline":
+        _require(c.pipeline_stages >= 1, f"{_where('pipeline_stages')} must be at least 1")
+        _require(
+            c.world_size % c.pipeline_stages == 0,
+            f"WORLD_SIZE={c.world_size} is not a multiple of "
+            f"{_where('pipeline_stages')}={c.pipeline_stages}; run a multiple of the stage count",
+        )
+        _require(c.microbatches >= 1, f"{_where('microbatches')} must be at least 1")
+        replicas = c.world_size // c.pipeline_stages
+    _require(
+        c.global_batch_size % replicas == 0,
+        f"{_where('global_batch_size')}={c.global_batch_size} is not divisible by the {replicas} "
+        f"data-parallel replicas (WORLD_SIZE={c.world_size}); use a multiple of {replicas}",
+    )
+    if c.strategy == "pipeline":
+        per_replica = c.global_batch_size // replicas
+        _require(
+            per_replica % c.microbatches == 0,
+            f"{_where('global_batch_size')}={c.global_batch_size} gives {per_replica} samples per replica, "
+            f"not divisible by {_where('microbatches')}={c.microbatches}",
+        )
+
+
+def parse_or_exit(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> TrainerConfig:
+    """`parse`, printing a `ConfigError` as one line on stderr and exiting with status 2."""
+    try:
+        return parse(argv, environ)
+    except ConfigError as err:
+        print(f"dtjob-trainer: error: {err}", file=sys.stderr)
+        raise SystemExit(EXIT_CONFIG_ERROR) from None

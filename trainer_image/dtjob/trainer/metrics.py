@@ -1,0 +1,68 @@
+"""Prometheus metrics of one trainer process, served on `--metrics-port` + LOCAL_RANK.
+
+The operator scrapes `dtjob_trainer_step`, `dtjob_trainer_last_checkpoint_step` and
+`dtjob_trainer_last_checkpoint_timestamp_seconds` from rank 0 to fill the job's status. Every
+metric lives in a registry of its own (not the process-global default), so tests can build
+several `TrainerMetrics` in one interpreter.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
+
+class TrainerMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.step = Gauge("dtjob_trainer_step", "last completed optimizer step", registry=r)
+        self.loss = Gauge("dtjob_trainer_loss", "global mean loss of the last step", registry=r)
+        self.learning_rate = Gauge(
+            "dtjob_trainer_learning_rate", "learning rate of the last step", registry=r
+        )
+        self.samples_per_second = Gauge(
+            "dtjob_trainer_samples_per_second", "global samples per second of the last step", registry=r
+        )
+        self.tokens_per_second = Gauge(
+            "dtjob_trainer_tokens_per_second", "global tokens per second of the last step", registry=r
+        )
+        self.world_size = Gauge("dtjob_trainer_world_size", "processes in the gang", registry=r)
+        self.generation = Gauge("dtjob_trainer_generation", "gang generation (DTJOB_GENERATION)", registry=r)
+        self.rank = Gauge("dtjob_trainer_rank", "this process's rank", registry=r)
+        self.last_checkpoint_step = Gauge(
+            "dtjob_trainer_last_checkpoint_step",
+            "step of the newest checkpoint written or loaded",
+            registry=r,
+        )
+        self.last_checkpoint_timestamp = Gauge(
+            "dtjob_trainer_last_checkpoint_timestamp_seconds",
+            "unix time the newest checkpoint was written (or, after a resume, was originally written)",
+            registry=r,
+        )
+        self.checkpoint_save_seconds = Gauge(
+            "dtjob_trainer_checkpoint_save_seconds", "duration of the last checkpoint save", registry=r
+        )
+        self.checkpoint_load_seconds = Gauge(
+            "dtjob_trainer_checkpoint_load_seconds", "duration of the checkpoint load at start", registry=r
+        )
+        self.checkpoints_saved = Counter("dtjob_trainer_checkpoints_saved", "checkpoints written", registry=r)
+        labels = ("op", "algorithm")
+        self.collective_bytes = Counter(
+            "dtjob_trainer_collective_bytes", "bytes of tensors passed to collectives", labels, registry=r
+        )
+        self.collective_seconds = Counter(
+            "dtjob_trainer_collective_seconds", "seconds spent inside collectives", labels, registry=r
+        )
+        self.collective_calls = Counter(
+            "dtjob_trainer_collective_calls", "collective calls", labels, registry=r
+        )
+        self.port: int | None = None
+
+    def serve(self, port: int) -> None:
+        """Serve /metrics on all interfaces from a daemon thread."""
+        start_http_server(port, registry=self.registry)
+        self.port = port
+
+    def observe_collective(self, op: str, algorithm: str, nbytes: int, seconds: float) -> None:
+        self.collective_bytes.labels(op, algorithm).inc(nbytes)
+        self.collective_seconds.labels(op, algorithm).inc(seconds)
+        self.collective_calls.labels(op, algorithm).inc()
