@@ -1,0 +1,223 @@
+"""Manifests of a job's children: worker pods, the headless Service and the Volcano PodGroup.
+
+Pure functions of the job (a JobView), so the reconciler can decide with them and the unit tests
+can check them without a cluster. The shapes follow DESIGN.md ("What the operator gives each
+worker pod").
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from decimal import Decimal
+from typing import Any
+
+from dtjob.operator.jobview import (
+    API_VERSION,
+    KIND,
+    LABEL_GENERATION,
+    LABEL_JOB,
+    LABEL_MANAGED_BY,
+    LABEL_RANK,
+    MANAGED_BY,
+    TRAINER_CONTAINER,
+    JobView,
+)
+from dtjob.operator.quantity import format_quantity, parse_quantity
+
+PODGROUP_API_VERSION = "scheduling.volcano.sh/v1beta1"
+PODGROUP_ANNOTATION = "scheduling.k8s.io/group-name"
+CHECKPOINT_VOLUME_NAME = "checkpoint"
+# uid/gid of the trainer when the template does not choose one: any non-root id works, 1000 is
+# the first regular user on most images.
+DEFAULT_RUN_AS_USER = 1000
+
+
+def worker_name(job_name: str, rank: int) -> str:
+    return f"{job_name}-worker-{rank}"
+
+
+def master_addr(job: JobView) -> str:
+    """Rank 0's stable DNS name through the headless Service."""
+    return f"{worker_name(job.name, 0)}.{job.name}.{job.namespace}.svc"
+
+
+def owner_reference(job: JobView) -> dict[str, Any]:
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "name": job.name,
+        "uid": job.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def selector_labels(job: JobView) -> dict[str, str]:
+    return {LABEL_JOB: job.name}
+
+
+def _trainer_env(job: JobView, rank: int, world_size: int, generation: int) -> list[dict[str, Any]]:
+    values = {
+        "MASTER_ADDR": master_addr(job),
+        "MASTER_PORT": str(job.master_port),
+        "WORLD_SIZE": str(world_size),
+        "RANK": str(rank),
+        "LOCAL_RANK": "0",
+        "LOCAL_WORLD_SIZE": "1",
+        "DTJOB_JOB_NAME": job.name,
+        "DTJOB_NAMESPACE": job.namespace,
+        "DTJOB_GENERATION": str(generation),
+        "DTJOB_CHECKPOINT_DIR": job.checkpoint_mount_path,
+        "DTJOB_METRICS_PORT": str(job.metrics_port),
+    }
+    return [{"name": k, "value": v} for k, v in values.items()]
+
+
+def _merge_env(user_env: list[dict[str, Any]], ours: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Our contract variables win; the user's other variables are kept after them (so they can
+    reference ours with $(VAR))."""
+    our_names = {e["name"] for e in ours}
+    return ours + [e for e in user_env if e.get("name") not in our_names]
+
+
+def _checkpoint_volume(job: JobView) -> dict[str, Any] | None:
+    """spec.checkpoint.volume is a Volume (with or without a name); we name it ourselves."""
+    source = job.checkpoint_volume
+    if not source:
+        return None
+    volume = {k: copy.deepcopy(v) for k, v in source.items() if k != "name"}
+    volume["name"] = str(source.get("name") or CHECKPOINT_VOLUME_NAME)
+    return volume
+
+
+def worker_pod(job: JobView, rank: int, world_size: int, generation: int) -> dict[str, Any]:
+    """The pod of one worker of one generation."""
+    template = copy.deepcopy(dict(job.template))
+    meta = template.get("metadata") or {}
+    spec: dict[str, Any] = template.get("spec") or {}
+    name = worker_name(job.name, rank)
+    labels = dict(meta.get("labels") or {})
+    labels.update(
+        {
+            LABEL_JOB: job.name,
+            LABEL_RANK: str(rank),
+            LABEL_GENERATION: str(generation),
+            LABEL_MANAGED_BY: MANAGED_BY,
+        }
+    )
+    annotations = dict(meta.get("annotations") or {})
+    if job.uses_podgroup:
+        annotations[PODGROUP_ANNOTATION] = job.name
+
+    spec["hostname"] = name
+    spec["subdomain"] = job.name
+    # The operator restarts the whole gang; a kubelet restarting one worker in place would leave
+    # it alone in a process group its peers already left.
+    spec["restartPolicy"] = "Never"
+    if job.scheduler_name:
+        spec["schedulerName"] = job.scheduler_name
+    if job.priority_class_name:
+        spec.setdefault("priorityClassName", job.priority_class_name)
+    pod_security = spec.setdefault("securityContext", {})
+    pod_security.setdefault("runAsNonRoot", True)
+    pod_security.setdefault("runAsUser", DEFAULT_RUN_AS_USER)
+
+    volume = _checkpoint_volume(job)
+    if volume is not None:
+        volumes = [v for v in spec.get("volumes") or [] if v.get("name") != volume["name"]]
+        spec["volumes"] = [*volumes, volume]
+
+    for container in spec.get("containers") or []:
+        container.setdefault("securityContext", {}).setdefault("allowPrivilegeEscalation", False)
+        if container.get("name") != TRAINER_CONTAINER:
+            continue
+        container["env"] = _merge_env(
+            container.get("env") or [], _trainer_env(job, rank, world_size, generation)
+        )
+        ports = [p for p in container.get("ports") or [] if p.get("name") not in {"master", "metrics"}]
+        container["ports"] = [
+            *ports,
+            {"name": "master", "containerPort": job.master_port, "protocol": "TCP"},
+            {"name": "metrics", "containerPort": job.metrics_port, "protocol": "TCP"},
+        ]
+        if volume is not None:
+            mounts = [m for m in container.get("volumeMounts") or [] if m.get("name") != volume["name"]]
+            container["volumeMounts"] = [
+                *mounts,
+                {"name": volume["name"], "mountPath": job.checkpoint_mount_path},
+            ]
+
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "namespace": job.namespace,
+            "labels": labels,
+            "annotations": annotations,
+            "ownerReferences": [owner_reference(job)],
+        },
+        "spec": spec,
+    }
+
+
+def headless_service(job: JobView) -> dict[str, Any]:
+    """The Service giving each worker the DNS name <job>-worker-<rank>.<job>.<ns>.svc, before the
+    pods are ready (rendezvous happens before readiness)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {
+            "name": job.name,
+            "namespace": job.namespace,
+            "labels": {LABEL_JOB: job.name, LABEL_MANAGED_BY: MANAGED_BY},
+            "ownerReferences": [owner_reference(job)],
+        },
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": selector_labels(job),
+            "ports": [
+                {"name": "master", "port": job.master_port, "targetPort": job.master_port},
+                {"name": "metrics", "port": job.metrics_port, "targetPort": job.metrics_port},
+            ],
+        },
+    }
+
+
+def pod_requests(template: Mapping[str, Any]) -> dict[str, Decimal]:
+    """The resources one worker pod requests (sum over its containers; a limit without a request
+    counts as the request, as the API server defaults it)."""
+    total: dict[str, Decimal] = {}
+    for container in (template.get("spec") or {}).get("containers") or []:
+        resources = container.get("resources") or {}
+        merged = dict(resources.get("limits") or {})
+        merged.update(resources.get("requests") or {})
+        for resource, quantity in merged.items():
+            total[resource] = total.get(resource, Decimal(0)) + parse_quantity(quantity)
+    return total
+
+
+def podgroup(job: JobView, world_size: int) -> dict[str, Any]:
+    """The Volcano PodGroup: the scheduler binds all `minMember` pods or none."""
+    per_pod = pod_requests(job.template)
+    spec: dict[str, Any] = {
+        "minMember": world_size,
+        "minResources": {r: format_quantity(q * world_size) for r, q in sorted(per_pod.items())},
+    }
+    if job.queue:
+        spec["queue"] = job.queue
+    if job.priority_class_name:
+        spec["priorityClassName"] = job.priority_class_name
+    return {
+        "apiVersion": PODGROUP_API_VERSION,
+        "kind": "PodGroup",
+        "metadata": {
+            "name": job.name,
+            "namespace": job.namespace,
+            "labels": {LABEL_JOB: job.name, LABEL_MANAGED_BY: MANAGED_BY},
+            "ownerReferences": [owner_reference(job)],
+        },
+        "spec": spec,
+    }

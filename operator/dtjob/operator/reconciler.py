@@ -1,0 +1,564 @@
+"""The pure reconciler: observed job, pods and nodes in; the actions that converge them out.
+
+No I/O happens here. `reconcile(Observed(...))` looks at the job's status (its memory: phase,
+generation, world size, restarts), at the worker pods carrying its job-name label, and at the
+nodes, and returns the actions of `dtjob.operator.actions`. It is level-triggered: whatever
+happened before (an operator killed half-way, missed events), the same observation gives the same
+decision, and applying it twice does no harm (pod names are fixed per rank, so a second create is
+an AlreadyExists, never a duplicate).
+
+The rules, in the order they are checked:
+
+1. A finished job (Succeeded/Failed) only cleans up pods (cleanPodPolicy) and is deleted after
+   ttlSecondsAfterFinished.
+2. A new job starts generation 0 at the desired world size (or Suspended when spec says so).
+3. activeDeadlineSeconds past startTime fails the job.
+4. suspend deletes the pods gracefully (the trainer checkpoints and exits 75); resuming starts a
+   new generation, not counted as a restart.
+5. Pods of an older generation are deleted; the new generation's pods are created only after the
+   old ones are gone (they share names, and the old rank 0 owns MASTER_ADDR until it exits).
+6. In the current generation: a permanent exit code fails the job; all workers exiting 0 succeeds
+   it; a failed, deleted or node-lost worker starts a new generation (restarts += 1, the job fails
+   once restarts would exceed maxRestarts) sized to what fits now, never below minReplicas; a
+   worker that exited 75 on its own (stopped with a checkpoint) restarts the gang uncounted.
+7. Pods unschedulable past the elastic scheduling timeout shrink the job to what fits (planned).
+8. A healthy gang whose world size differs from the desired one rescales (planned): down at
+   once on `kubectl scale`, up when the capacity is there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from dtjob.operator import pods as manifests
+from dtjob.operator.actions import (
+    Action,
+    ApplyPodGroup,
+    CountRescale,
+    CountRestart,
+    CreatePod,
+    CreateService,
+    DeleteJob,
+    DeletePod,
+    EmitEvent,
+    ObserveRecovery,
+    PatchStatus,
+)
+from dtjob.operator.capacity import node_is_ready, workers_that_fit
+from dtjob.operator.jobview import EXIT_CHECKPOINTED, LABEL_GENERATION, LABEL_RANK, JobView
+
+PENDING, RUNNING, RESTARTING = "Pending", "Running", "Restarting"
+SUCCEEDED, FAILED, SUSPENDED = "Succeeded", "Failed", "Suspended"
+FINISHED = {SUCCEEDED, FAILED}
+# Restart reasons that are failures (not planned rescales): time to recover is measured for these.
+FAILURE_REASONS = {"WorkerFailed", "WorkerDeleted", "NodeLost", "WorkerStopped"}
+# A grown-back gang must have run this long at its current size before it grows again, so a
+# capacity estimate the scheduler disagrees with cannot make the job flap faster than this.
+GROW_HOLD_SECONDS = 10.0
+
+
+@dataclass(frozen=True)
+class TrainerMetrics:
+    """What rank 0's Prometheus endpoint said (None: gauge absent)."""
+
+    step: int | None = None
+    checkpoint_step: int | None = None
+    checkpoint_time: float | None = None  # unix seconds
+
+
+@dataclass(frozen=True)
+class Observed:
+    """Everything the reconciler may look at. `pods` are the pods labelled with the job's name;
+    `node_pods` are all pods bound to nodes (to count free capacity)."""
+
+    job: Mapping[str, Any]
+    pods: Sequence[Mapping[str, Any]]
+    nodes: Sequence[Mapping[str, Any]]
+    now: datetime
+    node_pods: Sequence[Mapping[str, Any]] = ()
+    service_exists: bool = True
+    podgroup: Mapping[str, Any] | None = None
+    metrics: TrainerMetrics | None = None
+
+
+def to_rfc3339(moment: datetime) -> str:
+    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def from_rfc3339(text: str | None) -> datetime | None:
+    if not text:
+        return None
+    return datetime.fromisoformat(text.replace("Z", "+00:00"))
+
+
+@dataclass(frozen=True)
+class Worker:
+    """One observed worker pod, reduced to what the rules need."""
+
+    name: str
+    rank: int | None
+    generation: int | None
+    phase: str
+    node_name: str | None
+    deleting: bool
+    exit_code: int | None
+    created: datetime | None
+    reason: str | None
+
+    @classmethod
+    def of(cls, pod: Mapping[str, Any]) -> Worker:
+        meta = pod.get("metadata") or {}
+        labels = meta.get("labels") or {}
+        status = pod.get("status") or {}
+        exit_code = None
+        for container in status.get("containerStatuses") or []:
+            terminated = (container.get("state") or {}).get("terminated")
+            if terminated is not None and (exit_code is None or container.get("name") == "trainer"):
+                exit_code = int(terminated.get("exitCode", 0))
+        return cls(
+            name=str(meta.get("name", "")),
+            rank=_int_or_none(labels.get(LABEL_RANK)),
+            generation=_int_or_none(labels.get(LABEL_GENERATION)),
+            phase=str(status.get("phase") or "Pending"),
+            node_name=(pod.get("spec") or {}).get("nodeName"),
+            deleting=meta.get("deletionTimestamp") is not None,
+            exit_code=exit_code,
+            created=from_rfc3339(meta.get("creationTimestamp")),
+            reason=status.get("reason"),
+        )
+
+    @property
+    def terminal(self) -> bool:
+        return self.phase in {"Succeeded", "Failed"}
+
+
+def _int_or_none(value: Any) -> int | None:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+@dataclass(frozen=True)
+class Failure:
+    worker: Worker
+    reason: str  # WorkerFailed, WorkerDeleted, NodeLost, WorkerStopped
+    message: str
+    counted: bool  # counts towards maxRestarts
+
+
+@dataclass
+class _Pass:
+    """One reconcile pass: the status being built and the actions being collected."""
+
+    obs: Observed
+    job: JobView
+    status: dict[str, Any]
+    actions: list[Action] = field(default_factory=list)
+    events: list[EmitEvent] = field(default_factory=list)
+
+    @property
+    def now(self) -> datetime:
+        return self.obs.now
+
+    def condition(self, ctype: str) -> dict[str, Any] | None:
+        for cond in self.status.get("conditions") or []:
+            if cond.get("type") == ctype:
+                return dict(cond)
+        return None
+
+    def set_condition(self, ctype: str, value: bool, reason: str, message: str) -> None:
+        conditions = [dict(c) for c in self.status.get("conditions") or []]
+        wanted = "True" if value else "False"
+        for cond in conditions:
+            if cond.get("type") == ctype:
+                if cond.get("status") != wanted:
+                    cond["lastTransitionTime"] = to_rfc3339(self.now)
+                cond.update(status=wanted, reason=reason, message=message)
+                break
+        else:
+            conditions.append(
+                {
+                    "type": ctype,
+                    "status": wanted,
+                    "reason": reason,
+                    "message": message,
+                    "lastTransitionTime": to_rfc3339(self.now),
+                }
+            )
+        self.status["conditions"] = conditions
+
+    def event(self, reason: str, message: str, warning: bool = False) -> None:
+        self.events.append(EmitEvent("Warning" if warning else "Normal", reason, message))
+
+    def set_phase(self, phase: str, reason: str, message: str, warning: bool = False) -> None:
+        """Record a transition: phase, the matching condition, an Event saying why."""
+        previous = self.status.get("phase")
+        self.status["phase"] = phase
+        for ctype in (RUNNING, RESTARTING, SUSPENDED, SUCCEEDED, FAILED):
+            if ctype == phase:
+                self.set_condition(ctype, True, reason, message)
+            elif (self.condition(ctype) or {}).get("status") == "True":
+                self.set_condition(ctype, False, reason, message)
+        if previous != phase or phase == RESTARTING:
+            self.event(reason, message, warning)
+
+    @property
+    def lost_nodes(self) -> set[str]:
+        """Names of nodes that are NotReady; a pod bound to a node missing from the observed list is
+        on a lost node too (see node_lost)."""
+        return {str((n.get("metadata") or {}).get("name")) for n in self.obs.nodes if not node_is_ready(n)}
+
+    def node_lost(self, w: Worker) -> bool:
+        if not w.node_name:
+            return False
+        known = {(n.get("metadata") or {}).get("name") for n in self.obs.nodes}
+        return w.node_name not in known or w.node_name in self.lost_nodes
+
+    def delete(self, w: Worker, reason: str) -> None:
+        """Delete gracefully (SIGTERM: the trainer checkpoints), or force when nobody is left to
+        run a graceful deletion: the pod already ended, or its node is lost (a graceful deletion
+        on a dead node would never complete and keep the pod's name taken)."""
+        force = w.terminal or self.node_lost(w)
+        if force:
+            self.actions.append(DeletePod(w.name, reason, grace_seconds=0))
+        elif not w.deleting:
+            self.actions.append(DeletePod(w.name, reason))
+
+
+def reconcile(obs: Observed) -> list[Action]:
+    """Decide what to do about one job. Pure: same observation, same actions."""
+    job = JobView(obs.job)
+    if job.deleting:
+        return []  # garbage collection removes the children through their owner references
+    p = _Pass(obs, job, _copy_status(job.status))
+    workers = [Worker.of(pod) for pod in obs.pods]
+
+    if p.status.get("phase") in FINISHED:
+        _clean_up_finished(p, workers)
+        return _finish(p)
+
+    if not obs.service_exists:
+        p.actions.append(CreateService(manifests.headless_service(job)))
+    if not p.status.get("phase"):
+        _start(p)
+    p.status["selector"] = job.selector
+
+    if job.suspend:
+        _suspend(p, workers)
+        return _finish(p)
+    if p.status.get("phase") == SUSPENDED:
+        _new_generation(p, _target_size(p), "Resumed", "resumed after suspend", counted=False, phase=PENDING)
+        p.status["startTime"] = to_rfc3339(p.now)  # the deadline counts from the resume, as for Jobs
+
+    if _deadline_passed(p):
+        message = f"the job ran longer than activeDeadlineSeconds={job.active_deadline_seconds}"
+        _fail(p, workers, "DeadlineExceeded", message)
+        for w in workers:  # past its deadline nothing of the job may keep running, whatever the policy
+            if not w.terminal:
+                p.delete(w, message)
+        return _finish(p)
+
+    generation = int(p.status.get("generation", 0))
+    size = int(p.status.get("replicas") or 0)
+    current = [w for w in workers if w.generation == generation and w.rank is not None and w.rank < size]
+    if not _decide(p, current, workers):
+        _converge_pods(p, workers, current)
+    _read_metrics(p)
+    return _finish(p)
+
+
+def _copy_status(status: Mapping[str, Any]) -> dict[str, Any]:
+    copied = {k: v for k, v in status.items()}
+    copied["conditions"] = [dict(c) for c in status.get("conditions") or []]
+    return copied
+
+
+def _finish(p: _Pass) -> list[Action]:
+    """Prepend the status patch (when anything changed) to the actions, then the events."""
+    before = p.job.status
+    changed = {k: v for k, v in p.status.items() if before.get(k) != v}
+    if changed.get("conditions") == [] and not before.get("conditions"):
+        changed.pop("conditions")
+    head: list[Action] = [PatchStatus(changed)] if changed else []
+    return [*head, *p.actions, *p.events]
+
+
+def _start(p: _Pass) -> None:
+    p.status.update(generation=0, restarts=0, startTime=to_rfc3339(p.now))
+    if p.job.suspend:
+        p.status["replicas"] = 0
+        p.set_phase(
+            SUSPENDED, "Suspended", "created suspended: no worker runs until spec.runPolicy.suspend is false"
+        )
+        return
+    size = p.job.desired_replicas
+    p.status["replicas"] = size
+    p.status["phase"] = PENDING
+    p.set_condition("Created", True, "Created", f"generation 0: creating {size} workers")
+    p.event("Created", f"generation 0: creating {size} workers")
+
+
+def _deadline_passed(p: _Pass) -> bool:
+    deadline = p.job.active_deadline_seconds
+    started = from_rfc3339(p.status.get("startTime"))
+    return deadline is not None and started is not None and (p.now - started).total_seconds() > deadline
+
+
+def _fail(p: _Pass, workers: Sequence[Worker], reason: str, message: str) -> None:
+    p.status["completionTime"] = to_rfc3339(p.now)
+    p.set_phase(FAILED, reason, message, warning=True)
+    _clean_up_finished(p, workers)
+
+
+def _succeed(p: _Pass, workers: Sequence[Worker]) -> None:
+    p.status["completionTime"] = to_rfc3339(p.now)
+    checkpoint_step = (p.status.get("lastCheckpoint") or {}).get("step")
+    if checkpoint_step is not None:
+        p.status["step"] = max(int(p.status.get("step") or 0), int(checkpoint_step))
+    p.set_phase(
+        SUCCEEDED,
+        "Succeeded",
+        f"all {len(workers)} workers of generation {p.status.get('generation')} exited 0",
+    )
+    _clean_up_finished(p, workers)
+
+
+def _clean_up_finished(p: _Pass, workers: Sequence[Worker]) -> None:
+    policy = p.job.clean_pod_policy
+    for w in workers:
+        if w.deleting:
+            continue
+        if policy == "All" or (policy == "Running" and not w.terminal):
+            p.actions.append(DeletePod(w.name, f"job finished, cleanPodPolicy={policy}"))
+    ttl = p.job.ttl_seconds_after_finished
+    done = from_rfc3339(p.status.get("completionTime"))
+    if ttl is not None and done is not None and (p.now - done).total_seconds() >= ttl:
+        p.actions.append(DeleteJob(f"finished {ttl}s ago (ttlSecondsAfterFinished)"))
+
+
+def _suspend(p: _Pass, workers: Sequence[Worker]) -> None:
+    if p.status.get("phase") != SUSPENDED:
+        p.set_phase(SUSPENDED, "Suspended", "spec.runPolicy.suspend is true: workers checkpoint and stop")
+    for w in workers:
+        p.delete(w, "job suspended")
+
+
+def _capacity(p: _Pass) -> int:
+    return workers_that_fit(p.job.name, p.job.template, p.obs.nodes, p.obs.node_pods)
+
+
+def _target_size(p: _Pass) -> int:
+    """The world size of a new generation: desired if it fits, else what fits, never below min."""
+    fits = _capacity(p)
+    job = p.job
+    size = max(job.min_replicas, min(job.desired_replicas, fits))
+    if fits < job.min_replicas:
+        p.set_condition(
+            "Schedulable",
+            False,
+            "InsufficientCapacity",
+            f"only {fits} workers fit on Ready nodes, fewer than minReplicas={job.min_replicas}: "
+            f"waiting for capacity at {size} workers",
+        )
+    else:
+        p.set_condition("Schedulable", True, "Fits", f"{fits} workers fit on Ready nodes")
+    return size
+
+
+def _new_generation(
+    p: _Pass, size: int, reason: str, message: str, *, counted: bool, phase: str = RESTARTING
+) -> None:
+    """Start the next gang: recorded in status first; old pods are deleted by _converge_pods."""
+    old_size = int(p.status.get("replicas") or 0)
+    generation = int(p.status.get("generation", -1)) + 1
+    p.status["generation"] = generation
+    p.status["replicas"] = size
+    if counted:
+        p.status["restarts"] = int(p.status.get("restarts") or 0) + 1
+        p.actions.append(CountRestart(reason))
+    text = f"generation {generation} with {size} workers: {message}"
+    p.set_phase(phase, reason, text, warning=counted)
+    if old_size and size != old_size:
+        direction = "up" if size > old_size else "down"
+        p.actions.append(CountRescale(direction, reason))
+        if reason not in {"ScaleUp", "ScaleDown"}:
+            p.event("Rescale", f"world size {old_size} -> {size}: {message}")
+
+
+def _failures(p: _Pass, current: Sequence[Worker]) -> list[Failure]:
+    nodes = {(n.get("metadata") or {}).get("name"): n for n in p.obs.nodes}
+    found: list[Failure] = []
+    for w in current:
+        if w.phase == "Succeeded":
+            continue
+        if w.node_name and w.node_name not in nodes:
+            found.append(Failure(w, "NodeLost", f"node {w.node_name} of {w.name} is gone", True))
+        elif w.node_name and not w.terminal and p.node_lost(w):
+            found.append(Failure(w, "NodeLost", f"node {w.node_name} of {w.name} is NotReady", True))
+        elif w.phase == "Failed" and w.exit_code == EXIT_CHECKPOINTED:
+            found.append(Failure(w, "WorkerStopped", f"{w.name} stopped after a checkpoint (exit 75)", False))
+        elif w.phase == "Failed":
+            how = f"exit code {w.exit_code}" if w.exit_code is not None else (w.reason or "no exit code")
+            found.append(Failure(w, "WorkerFailed", f"{w.name} failed ({how})", True))
+        elif w.deleting:
+            found.append(Failure(w, "WorkerDeleted", f"{w.name} was deleted", True))
+    return found
+
+
+def _decide(p: _Pass, current: Sequence[Worker], workers: Sequence[Worker]) -> bool:
+    """Rules 6-8 on the current generation. Returns True when the pass is done (a new
+    generation was started, or the job finished)."""
+    job = p.job
+    size = int(p.status.get("replicas") or 0)
+    failures = _failures(p, current)
+
+    for f in failures:
+        code = f.worker.exit_code
+        if f.reason == "WorkerFailed" and code is not None and job.is_permanent_exit_code(code):
+            _fail(p, workers, "PermanentError", f"{f.worker.name} exited with permanent exit code {code}")
+            return True
+
+    succeeded = [w for w in current if w.phase == "Succeeded"]
+    if not failures and size > 0 and len(succeeded) == size and len(current) == size:
+        _succeed(p, current)
+        return True
+
+    if failures:
+        counted = any(f.counted for f in failures)
+        first = failures[0]
+        restarts = int(p.status.get("restarts") or 0)
+        if counted and restarts + 1 > job.max_restarts:
+            p.status["restarts"] = restarts + 1
+            limit = f"restart {restarts + 1} would exceed maxRestarts={job.max_restarts}"
+            _fail(p, workers, "MaxRestartsExceeded", f"{first.message}; {limit}")
+            return True
+        reason = next((f.reason for f in failures if f.counted), first.reason)
+        _new_generation(p, _target_size(p), reason, "; ".join(f.message for f in failures), counted=counted)
+        _delete_all(p, workers)
+        return True
+
+    if p.status.get("phase") == RESTARTING and any(
+        w.generation != p.status.get("generation") for w in workers
+    ):
+        return False  # still removing the old generation
+
+    unscheduled = [w for w in current if w.phase == "Pending" and not w.node_name and not w.deleting]
+    if unscheduled and len(current) == size:
+        return _maybe_shrink(p, unscheduled, workers, size)
+
+    running = [w for w in current if w.phase == "Running" and not w.deleting]
+    if size > 0 and len(running) == size:
+        return _maybe_rescale(p, workers, size)
+    return False
+
+
+def _maybe_shrink(p: _Pass, unscheduled: Sequence[Worker], workers: Sequence[Worker], size: int) -> bool:
+    job = p.job
+    waiting_since = min((w.created for w in unscheduled if w.created), default=None)
+    if waiting_since is None or (p.now - waiting_since).total_seconds() < job.scheduling_timeout_seconds:
+        return False
+    fits = _capacity(p)
+    scheduled = size - len(unscheduled)
+    candidate = fits if fits < size else scheduled
+    target = max(job.min_replicas, min(candidate, size - 1))
+    if target >= size:
+        p.set_condition(
+            "Schedulable",
+            False,
+            "InsufficientCapacity",
+            f"{len(unscheduled)} of {size} workers unschedulable for more than "
+            f"{job.scheduling_timeout_seconds:g}s and the job is at minReplicas={job.min_replicas}: "
+            "waiting for capacity",
+        )
+        return False
+    p.set_condition(
+        "Schedulable", False, "Unschedulable", f"{len(unscheduled)} of {size} workers did not fit"
+    )
+    _new_generation(
+        p,
+        target,
+        "Unschedulable",
+        f"{len(unscheduled)} of {size} workers unschedulable for more than "
+        f"{job.scheduling_timeout_seconds:g}s; shrinking to what fits",
+        counted=False,
+    )
+    _delete_all(p, workers)
+    return True
+
+
+def _maybe_rescale(p: _Pass, workers: Sequence[Worker], size: int) -> bool:
+    job = p.job
+    desired = job.desired_replicas
+    if size > desired:
+        _new_generation(p, desired, "ScaleDown", f"spec.replicas is {job.replicas}", counted=False)
+        _delete_all(p, workers)
+        return True
+    if size < desired:
+        running_since = from_rfc3339((p.condition(RUNNING) or {}).get("lastTransitionTime"))
+        if running_since is not None and (p.now - running_since).total_seconds() < GROW_HOLD_SECONDS:
+            return False
+        fits = _capacity(p)
+        target = min(desired, fits)
+        if target > size:
+            _new_generation(
+                p, target, "ScaleUp", f"capacity for {fits} workers, desired {desired}", counted=False
+            )
+            p.set_condition("Schedulable", True, "Fits", f"{fits} workers fit on Ready nodes")
+            _delete_all(p, workers)
+            return True
+    return False
+
+
+def _delete_all(p: _Pass, workers: Sequence[Worker]) -> None:
+    for w in workers:
+        p.delete(w, f"stopping generation {w.generation} for generation {p.status.get('generation')}")
+
+
+def _converge_pods(p: _Pass, workers: Sequence[Worker], current: Sequence[Worker]) -> None:
+    """Delete pods of old generations; once they are gone, create the current one's missing pods
+    and mark the job Running when every worker runs."""
+    job = p.job
+    generation = int(p.status.get("generation", 0))
+    size = int(p.status.get("replicas") or 0)
+    old = [w for w in workers if w.generation != generation or w.rank is None or w.rank >= size]
+    for w in old:
+        p.delete(w, f"generation {w.generation} replaced by generation {generation}")
+    if old:
+        return
+
+    if job.uses_podgroup:
+        wanted = manifests.podgroup(job, size)
+        have = p.obs.podgroup
+        if have is None or (have.get("spec") or {}).get("minMember") != size:
+            p.actions.append(ApplyPodGroup(wanted, exists=have is not None))
+
+    present = {w.rank for w in current}
+    for rank in range(size):
+        if rank not in present:
+            p.actions.append(CreatePod(manifests.worker_pod(job, rank, size, generation)))
+
+    running = [w for w in current if w.phase == "Running" and not w.deleting]
+    if len(running) == size and p.status.get("phase") in {PENDING, RESTARTING}:
+        restarting = p.condition(RESTARTING)
+        if restarting and restarting.get("status") == "True" and restarting.get("reason") in FAILURE_REASONS:
+            since = from_rfc3339(restarting.get("lastTransitionTime"))
+            if since is not None:
+                p.actions.append(ObserveRecovery((p.now - since).total_seconds()))
+        p.set_phase(RUNNING, "Running", f"generation {generation}: all {size} workers running")
+
+
+def _read_metrics(p: _Pass) -> None:
+    metrics = p.obs.metrics
+    if metrics is None:
+        return
+    if metrics.step is not None:
+        p.status["step"] = metrics.step
+    if metrics.checkpoint_step is not None:
+        checkpoint: dict[str, Any] = {"step": metrics.checkpoint_step}
+        if metrics.checkpoint_time:
+            checkpoint["time"] = to_rfc3339(datetime.fromtimestamp(metrics.checkpoint_time, UTC))
+        p.status["lastCheckpoint"] = checkpoint

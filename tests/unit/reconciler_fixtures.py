@@ -1,0 +1,171 @@
+"""Plain-dict jobs, pods and nodes shaped like the API server's objects, for the reconciler tests."""
+
+from __future__ import annotations
+
+import copy
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from dtjob.operator.actions import Action, CreatePod, DeletePod, EmitEvent, PatchStatus
+from dtjob.operator.reconciler import Observed, reconcile, to_rfc3339
+
+T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
+
+
+def at(seconds: float) -> datetime:
+    return T0 + timedelta(seconds=seconds)
+
+
+def make_job(
+    replicas: int = 4,
+    min_replicas: int = 2,
+    max_replicas: int = 4,
+    max_restarts: int = 3,
+    status: dict[str, Any] | None = None,
+    cpu: str = "1",
+    **spec_extra: Any,
+) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "replicas": replicas,
+        "elastic": {
+            "minReplicas": min_replicas,
+            "maxReplicas": max_replicas,
+            "maxRestarts": max_restarts,
+            "schedulingTimeoutSeconds": 30,
+        },
+        "checkpoint": {"mountPath": "/ckpt", "volume": {"hostPath": {"path": "/tmp/ckpt"}}},
+        "masterPort": 29500,
+        "template": {
+            "metadata": {"labels": {"team": "ml"}},
+            "spec": {
+                "containers": [
+                    {
+                        "name": "trainer",
+                        "image": "dtjob-trainer",
+                        "command": ["python", "-m", "dtjob.trainer"],
+                        "env": [{"name": "DTJOB_STEPS", "value": "50"}, {"name": "RANK", "value": "9"}],
+                        "resources": {"requests": {"cpu": cpu}},
+                    }
+                ]
+            },
+        },
+    }
+    spec.update(spec_extra)
+    job: dict[str, Any] = {
+        "apiVersion": "training.dtjob.io/v1alpha1",
+        "kind": "DistributedTrainingJob",
+        "metadata": {"name": "gpt", "namespace": "ml", "uid": "uid-1"},
+        "spec": spec,
+    }
+    if status is not None:
+        job["status"] = status
+    return job
+
+
+def make_node(name: str, cpu: str = "2", ready: bool = True, **extra_status: Any) -> dict[str, Any]:
+    return {
+        "metadata": {"name": name},
+        "spec": {},
+        "status": {
+            "allocatable": {"cpu": cpu, "memory": "8Gi", "pods": "110"},
+            "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+            **extra_status,
+        },
+    }
+
+
+def make_pod(
+    rank: int,
+    generation: int = 0,
+    phase: str = "Running",
+    node: str | None = "n1",
+    exit_code: int | None = None,
+    deleting: bool = False,
+    created: float = 0.0,
+    job: str = "gpt",
+) -> dict[str, Any]:
+    status: dict[str, Any] = {"phase": phase}
+    if exit_code is not None:
+        status["containerStatuses"] = [{"name": "trainer", "state": {"terminated": {"exitCode": exit_code}}}]
+    meta: dict[str, Any] = {
+        "name": f"{job}-worker-{rank}",
+        "creationTimestamp": to_rfc3339(at(created)),
+        "labels": {
+            "training.dtjob.io/job-name": job,
+            "training.dtjob.io/rank": str(rank),
+            "training.dtjob.io/generation": str(generation),
+        },
+    }
+    if deleting:
+        meta["deletionTimestamp"] = to_rfc3339(at(created + 1))
+    spec: dict[str, Any] = {"containers": [{"name": "trainer", "resources": {"requests": {"cpu": "1"}}}]}
+    if node:
+        spec["nodeName"] = node
+    return {"metadata": meta, "spec": spec, "status": status}
+
+
+def gang(
+    size: int, generation: int = 0, nodes: tuple[str, ...] = ("n1", "n2"), **kw: Any
+) -> list[dict[str, Any]]:
+    """`size` running pods spread over `nodes` (two per node for 1-cpu pods on 2-cpu nodes)."""
+    return [make_pod(r, generation, node=nodes[(r // 2) % len(nodes)], **kw) for r in range(size)]
+
+
+def running_status(
+    size: int = 4, generation: int = 0, restarts: int = 0, since: float = 0.0
+) -> dict[str, Any]:
+    """The status of a job whose gang has been running since `since`."""
+    return {
+        "phase": "Running",
+        "generation": generation,
+        "replicas": size,
+        "restarts": restarts,
+        "selector": "training.dtjob.io/job-name=gpt",
+        "startTime": to_rfc3339(at(0)),
+        "conditions": [
+            {"type": "Running", "status": "True", "reason": "Running", "message": "",
+             "lastTransitionTime": to_rfc3339(at(since))},
+        ],
+    }  # fmt: skip
+
+
+def two_nodes() -> list[dict[str, Any]]:
+    return [make_node("n1"), make_node("n2")]
+
+
+def run(job: dict[str, Any], pods: list[dict[str, Any]], nodes: list[dict[str, Any]], now: float = 100.0,
+        **kw: Any) -> list[Action]:  # fmt: skip
+    node_pods = kw.pop("node_pods", pods)
+    return reconcile(Observed(job=job, pods=pods, nodes=nodes, now=at(now), node_pods=node_pods, **kw))
+
+
+def status_patch(actions: list[Action]) -> dict[str, Any]:
+    patches = [a for a in actions if isinstance(a, PatchStatus)]
+    assert len(patches) <= 1, patches
+    if patches:
+        assert actions[0] is patches[0], "the status patch must come before every other action"
+    return patches[0].status if patches else {}
+
+
+def applied(job: dict[str, Any], actions: list[Action]) -> dict[str, Any]:
+    """The job after its status patch."""
+    out = copy.deepcopy(job)
+    out.setdefault("status", {}).update(status_patch(actions))
+    return out
+
+
+def creates(actions: list[Action]) -> list[CreatePod]:
+    return [a for a in actions if isinstance(a, CreatePod)]
+
+
+def deletes(actions: list[Action]) -> list[DeletePod]:
+    return [a for a in actions if isinstance(a, DeletePod)]
+
+
+def events(actions: list[Action]) -> list[EmitEvent]:
+    return [a for a in actions if isinstance(a, EmitEvent)]
+
+
+def env_of(pod: dict[str, Any]) -> dict[str, str]:
+    trainer = next(c for c in pod["spec"]["containers"] if c["name"] == "trainer")
+    return {e["name"]: e["value"] for e in trainer["env"]}

@@ -1,0 +1,153 @@
+"""The reconciler when workers fail: new generations, restart limits, exit codes, lost nodes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dtjob.operator.actions import CountRestart, ObserveRecovery
+from tests.unit.reconciler_fixtures import (
+    creates,
+    deletes,
+    env_of,
+    events,
+    gang,
+    make_job,
+    make_node,
+    make_pod,
+    run,
+    running_status,
+    status_patch,
+    two_nodes,
+)
+
+
+def condition(patch: dict[str, Any], ctype: str) -> dict[str, Any]:
+    return next(c for c in patch["conditions"] if c["type"] == ctype)
+
+
+def test_failed_worker_starts_a_counted_new_generation_and_stops_the_rest_gracefully() -> None:
+    job = make_job(status=running_status())
+    pods = gang(4)
+    pods[2] = make_pod(2, node="n2", phase="Failed", exit_code=1)
+    actions = run(job, pods, two_nodes())
+    patch = status_patch(actions)
+    assert patch["phase"] == "Restarting" and patch["generation"] == 1 and patch["restarts"] == 1
+    assert "replicas" not in patch, "same world size: 4 still fit"
+    assert condition(patch, "Restarting")["reason"] == "WorkerFailed"
+    assert "gpt-worker-2 failed (exit code 1)" in condition(patch, "Restarting")["message"]
+    graceful = {d.name: d.grace_seconds for d in deletes(actions)}
+    assert graceful == {"gpt-worker-0": None, "gpt-worker-1": None, "gpt-worker-2": 0, "gpt-worker-3": None}
+    assert CountRestart("WorkerFailed") in actions
+    assert creates(actions) == [], "the new gang waits until the old pods are gone (same names)"
+    assert [(e.type, e.reason) for e in events(actions)] == [("Warning", "WorkerFailed")]
+
+
+def test_new_generation_is_created_once_the_old_pods_are_gone() -> None:
+    status = {**running_status(generation=1, restarts=1), "phase": "Restarting"}
+    job = make_job(status=status)
+    old = gang(4, generation=0, deleting=True)
+    assert creates(run(job, old, two_nodes())) == []
+    assert deletes(run(job, old, two_nodes())) == [], "already terminating: no second delete"
+    actions = run(job, [], two_nodes())
+    made = creates(actions)
+    assert len(made) == 4
+    assert all(c.manifest["metadata"]["labels"]["training.dtjob.io/generation"] == "1" for c in made)
+    assert env_of(made[0].manifest)["DTJOB_GENERATION"] == "1"
+
+
+def test_recovery_time_is_observed_when_the_restarted_gang_runs() -> None:
+    job = make_job(status={**running_status(generation=1, restarts=1), "phase": "Restarting"})
+    job["status"]["conditions"] = [
+        {"type": "Restarting", "status": "True", "reason": "WorkerFailed", "message": "",
+         "lastTransitionTime": "2026-01-01T12:01:00Z"},
+    ]  # fmt: skip
+    actions = run(job, gang(4, generation=1), two_nodes(), now=75)
+    assert status_patch(actions)["phase"] == "Running"
+    assert ObserveRecovery(15.0) in actions
+
+
+def test_restart_beyond_max_restarts_fails_with_the_reason() -> None:
+    job = make_job(max_restarts=2, status=running_status(restarts=2))
+    pods = gang(4)
+    pods[1] = make_pod(1, phase="Failed", exit_code=137)
+    actions = run(job, pods, two_nodes())
+    patch = status_patch(actions)
+    assert patch["phase"] == "Failed" and patch["restarts"] == 3
+    failed = condition(patch, "Failed")
+    assert failed["reason"] == "MaxRestartsExceeded"
+    assert "maxRestarts=2" in failed["message"] and "exit code 137" in failed["message"]
+    assert "completionTime" in patch
+    assert len(deletes(actions)) == 3, "cleanPodPolicy Running stops the survivors"
+
+
+def test_permanent_exit_code_fails_at_once_even_with_restarts_left() -> None:
+    job = make_job(max_restarts=10, status=running_status())
+    pods = gang(4)
+    pods[3] = make_pod(3, phase="Failed", exit_code=2)
+    patch = status_patch(run(job, pods, two_nodes()))
+    assert patch["phase"] == "Failed"
+    assert condition(patch, "Failed")["reason"] == "PermanentError"
+    assert "restarts" not in patch
+
+
+def test_permanent_exit_codes_come_from_the_spec_when_given() -> None:
+    job = make_job(status=running_status(), restartPolicy={"permanentExitCodes": [42]})
+    pods = gang(4)
+    pods[3] = make_pod(3, phase="Failed", exit_code=2)
+    assert status_patch(run(job, pods, two_nodes()))["phase"] == "Restarting"
+    pods[3] = make_pod(3, phase="Failed", exit_code=42)
+    assert status_patch(run(job, pods, two_nodes()))["phase"] == "Failed"
+
+
+def test_worker_that_stopped_with_a_checkpoint_restarts_uncounted() -> None:
+    job = make_job(status=running_status(restarts=1))
+    pods = gang(4)
+    pods[0] = make_pod(0, phase="Failed", exit_code=75)
+    actions = run(job, pods, two_nodes())
+    patch = status_patch(actions)
+    assert patch["generation"] == 1 and "restarts" not in patch
+    assert not any(isinstance(a, CountRestart) for a in actions)
+
+
+def test_deleted_worker_restarts_the_gang() -> None:
+    job = make_job(status=running_status())
+    pods = gang(4)
+    pods[1] = make_pod(1, deleting=True)
+    patch = status_patch(run(job, pods, two_nodes()))
+    assert condition(patch, "Restarting")["reason"] == "WorkerDeleted" and patch["restarts"] == 1
+
+
+def test_not_ready_node_force_deletes_its_pods_and_shrinks_to_what_fits() -> None:
+    job = make_job(status=running_status())
+    nodes = [make_node("n1"), make_node("n2", ready=False)]
+    actions = run(job, gang(4), nodes)
+    patch = status_patch(actions)
+    assert condition(patch, "Restarting")["reason"] == "NodeLost"
+    assert patch["replicas"] == 2, "n1 has 2 cpus for 1-cpu workers"
+    grace = {d.name: d.grace_seconds for d in deletes(actions)}
+    assert grace == {"gpt-worker-0": None, "gpt-worker-1": None, "gpt-worker-2": 0, "gpt-worker-3": 0}
+
+
+def test_vanished_node_is_a_lost_node_and_terminating_pods_there_are_forced() -> None:
+    job = make_job(status={**running_status(generation=1, restarts=1), "phase": "Restarting"})
+    old = gang(4, generation=0, deleting=True)
+    actions = run(job, old, [make_node("n1")])  # n2 is gone
+    assert {d.name: d.grace_seconds for d in deletes(actions)} == {"gpt-worker-2": 0, "gpt-worker-3": 0}
+
+
+def test_never_below_min_replicas_waits_saying_so() -> None:
+    job = make_job(min_replicas=3, status=running_status())
+    nodes = [make_node("n1"), make_node("n2", ready=False)]
+    patch = status_patch(run(job, gang(4), nodes))
+    assert patch["replicas"] == 3
+    schedulable = condition(patch, "Schedulable")
+    assert schedulable["status"] == "False" and schedulable["reason"] == "InsufficientCapacity"
+    assert "minReplicas=3" in schedulable["message"]
+
+
+def test_old_generation_failures_are_not_new_failures() -> None:
+    job = make_job(status={**running_status(generation=1, restarts=1), "phase": "Restarting"})
+    old = [make_pod(r, generation=0, phase="Failed", exit_code=1) for r in range(4)]
+    actions = run(job, old, two_nodes())
+    assert "generation" not in status_patch(actions)
+    assert {d.grace_seconds for d in deletes(actions)} == {0}

@@ -1,0 +1,104 @@
+"""The children the reconciler creates (pods, Service, PodGroup) and its capacity count."""
+
+from __future__ import annotations
+
+from decimal import Decimal
+
+import pytest
+
+from dtjob.operator.capacity import workers_that_fit
+from dtjob.operator.jobview import JobView
+from dtjob.operator.pods import headless_service, podgroup, worker_pod
+from dtjob.operator.quantity import format_quantity, parse_quantity
+from tests.unit.reconciler_fixtures import env_of, make_job, make_node, make_pod
+
+
+def test_worker_pod_has_the_design_names_labels_env_and_volume() -> None:
+    pod = worker_pod(JobView(make_job()), rank=1, world_size=3, generation=2)
+    meta, spec = pod["metadata"], pod["spec"]
+    assert meta["name"] == "gpt-worker-1" and meta["namespace"] == "ml"
+    assert meta["labels"] == {
+        "team": "ml",
+        "training.dtjob.io/job-name": "gpt",
+        "training.dtjob.io/rank": "1",
+        "training.dtjob.io/generation": "2",
+        "app.kubernetes.io/managed-by": "dtjob-operator",
+    }
+    owner = meta["ownerReferences"][0]
+    assert (owner["kind"], owner["name"], owner["uid"], owner["controller"]) == (
+        "DistributedTrainingJob", "gpt", "uid-1", True)  # fmt: skip
+    assert (spec["hostname"], spec["subdomain"], spec["restartPolicy"]) == ("gpt-worker-1", "gpt", "Never")
+    env = env_of(pod)
+    assert env == {
+        "MASTER_ADDR": "gpt-worker-0.gpt.ml.svc",
+        "MASTER_PORT": "29500",
+        "WORLD_SIZE": "3",
+        "RANK": "1",
+        "LOCAL_RANK": "0",
+        "LOCAL_WORLD_SIZE": "1",
+        "DTJOB_JOB_NAME": "gpt",
+        "DTJOB_NAMESPACE": "ml",
+        "DTJOB_GENERATION": "2",
+        "DTJOB_CHECKPOINT_DIR": "/ckpt",
+        "DTJOB_METRICS_PORT": "9400",
+        "DTJOB_STEPS": "50",
+    }, "contract variables override the template's (RANK=9 there), other variables stay"
+    trainer = spec["containers"][0]
+    assert {"name": "checkpoint", "mountPath": "/ckpt"} in trainer["volumeMounts"]
+    assert {"name": "checkpoint", "hostPath": {"path": "/tmp/ckpt"}} in spec["volumes"]
+    assert trainer["securityContext"]["allowPrivilegeEscalation"] is False
+    assert spec["securityContext"]["runAsNonRoot"] is True
+    assert "schedulerName" not in spec
+
+
+def test_template_is_not_mutated_by_building_pods() -> None:
+    job = make_job()
+    worker_pod(JobView(job), 0, 4, 0)
+    assert job == make_job()
+
+
+def test_headless_service_publishes_not_ready_addresses() -> None:
+    service = headless_service(JobView(make_job()))
+    assert service["metadata"]["name"] == "gpt"
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
+    assert service["spec"]["selector"] == {"training.dtjob.io/job-name": "gpt"}
+
+
+def test_gang_flag_alone_selects_volcano() -> None:
+    job = JobView(make_job(scheduling={"gang": True}))
+    assert job.uses_podgroup and job.scheduler_name == "volcano"
+    group = podgroup(job, 3)
+    assert group["apiVersion"] == "scheduling.volcano.sh/v1beta1" and group["metadata"]["name"] == "gpt"
+    assert group["spec"]["minMember"] == 3 and group["spec"]["minResources"] == {"cpu": "3"}
+
+
+def test_capacity_counts_free_resources_on_ready_uncordoned_nodes() -> None:
+    template = make_job(cpu="500m")["spec"]["template"]
+    cordoned = make_node("n3")
+    cordoned["spec"]["unschedulable"] = True
+    nodes = [make_node("n1"), make_node("n2", ready=False), cordoned, make_node("n4", cpu="1500m")]
+    other = make_pod(0, job="other", node="n1")  # takes 1 of n1's 2 cpus
+    mine = make_pod(0, job="gpt", node="n4")  # the job's own pods do not count: they are replaced
+    assert workers_that_fit("gpt", template, nodes, [other, mine]) == 2 + 3
+
+
+def test_capacity_for_gpu_workers_counts_only_nodes_with_gpus() -> None:
+    job = make_job()
+    job["spec"]["template"]["spec"]["containers"][0]["resources"] = {"limits": {"nvidia.com/gpu": 1}}
+    gpu_node = make_node("g1")
+    gpu_node["status"]["allocatable"]["nvidia.com/gpu"] = "2"
+    assert workers_that_fit("gpt", job["spec"]["template"], [gpu_node, make_node("c1")], []) == 2
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("2", Decimal(2)), ("500m", Decimal("0.5")), ("1Gi", Decimal(2**30)), ("1k", Decimal(1000))],
+)
+def test_quantities_parse(text: str, value: Decimal) -> None:
+    assert parse_quantity(text) == value
+
+
+def test_bad_quantity_names_the_value() -> None:
+    with pytest.raises(ValueError, match="'lots'"):
+        parse_quantity("lots")
+    assert format_quantity(Decimal("1.5")) == "1500m" and format_quantity(Decimal(4)) == "4"
