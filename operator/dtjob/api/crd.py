@@ -23,6 +23,7 @@ from dtjob.api.models import (
     SHORT_NAME,
     SINGULAR,
     VERSION,
+    DistributedTrainingJob,
     DistributedTrainingJobSpec,
     DistributedTrainingJobStatus,
 )
@@ -105,14 +106,13 @@ def _model_schema(model: type[DistributedTrainingJobSpec | DistributedTrainingJo
 
 def openapi_schema(k8s: bool = True) -> dict[str, Any]:
     """The `openAPIV3Schema` of the CRD's only version."""
-    spec = _model_schema(DistributedTrainingJobSpec, k8s)
+    fields = DistributedTrainingJob.model_fields
+    spec = {"description": fields["spec"].description, **_model_schema(DistributedTrainingJobSpec, k8s)}
     spec["x-kubernetes-validations"] = rules.cel_validations()
-    status = _model_schema(DistributedTrainingJobStatus, k8s)
+    status = {"description": fields["status"].description, **_model_schema(DistributedTrainingJobStatus, k8s)}
     return {
         "type": "object",
-        "description": "DistributedTrainingJob runs a gang of PyTorch workers (DDP, FSDP or pipeline "
-        "parallel) that restarts elastically within [elastic.minReplicas, elastic.maxReplicas] "
-        "when workers or nodes are lost, resuming from the newest checkpoint.",
+        "description": " ".join((DistributedTrainingJob.__doc__ or "").split()),
         "required": ["spec"],
         "properties": {
             "apiVersion": {"type": "string", "description": "training.dtjob.io/v1alpha1"},

@@ -273,7 +273,9 @@ class DistributedTrainingJobStatus(ApiModel):
 
 
 class DistributedTrainingJob(ApiModel):
-    """DistributedTrainingJob runs a gang of PyTorch workers that restarts elastically."""
+    """DistributedTrainingJob runs a gang of PyTorch workers (DDP, FSDP or pipeline parallel)
+    that restarts elastically within [elastic.minReplicas, elastic.maxReplicas] when workers or
+    nodes are lost, resuming from the newest checkpoint."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -282,9 +284,13 @@ class DistributedTrainingJob(ApiModel):
     )
     kind: Literal["DistributedTrainingJob"] = Field(default=KIND, description="DistributedTrainingJob")
     metadata: dict[str, Any] = Field(default_factory=dict, description="Standard object metadata.")
-    spec: DistributedTrainingJobSpec = Field(description="Desired state of the job.")
+    spec: DistributedTrainingJobSpec = Field(
+        description="Desired state: world size, elastic bounds, checkpoint storage, scheduling, "
+        "run policy and the worker pod template."
+    )
     status: DistributedTrainingJobStatus = Field(
-        default_factory=lambda: DistributedTrainingJobStatus(), description="Observed state of the job."
+        default_factory=lambda: DistributedTrainingJobStatus(),
+        description="Observed state, written by the operator.",
     )
 
     @property
