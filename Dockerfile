@@ -1,6 +1,6 @@
 # syntax=docker/dockerfile:1
 # dtjob operator image: `dtjob operator` (kopf) with the [operator] extra only - no torch.
-#   docker build -t ghcr.io/dtjob/dtjob-operator:0.1.0 .
+#   docker build -t dtjob/operator:0.1.0 .
 # The helm chart (helm/dtjob) runs it as uid 10001 with a read-only root filesystem and an
 # emptyDir at /tmp.
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import textwrap
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -284,3 +285,30 @@ def test_app_version_is_the_project_version() -> None:
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     assert chart["appVersion"] == project["version"]
     assert operator_container(render())["image"].endswith(f":{project['version']}")
+
+
+def notes_job_manifest(app_version: str) -> dict[str, Any]:
+    """The job NOTES.txt tells a new user to apply (the heredoc between <<'YAML' and YAML)."""
+    notes = (CHART / "templates" / "NOTES.txt").read_text()
+    match = re.search(r"<<'YAML'[^\n]*\n(.*?)\n\s*YAML\n", notes, re.S)
+    assert match, "NOTES.txt has no job manifest heredoc"
+    text = match.group(1).replace("{{ .Chart.AppVersion }}", app_version)
+    assert "{{" not in text, "the NOTES job manifest uses a template expression this test does not know"
+    manifest: dict[str, Any] = yaml.safe_load(textwrap.dedent(text))
+    return manifest
+
+
+def test_notes_first_job_is_a_valid_job_with_valid_trainer_flags() -> None:
+    from dtjob.api import validate_job
+    from dtjob.trainer import config as trainer_config
+
+    job = notes_job_manifest("0.1.0")
+    assert validate_job(job) == []
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    # The same command as the trainer image's ENTRYPOINT, so the job also runs where images are
+    # not pulled (the devcluster).
+    assert container["command"] == ["python", "-m", "dtjob.trainer"]
+    parsed = trainer_config.parse(container["args"], environ={})
+    assert parsed.strategy == "ddp" and parsed.model == "gpt"
+    notes = (CHART / "templates" / "NOTES.txt").read_text()
+    assert "kubectl apply" in notes and "kubectl get dtj" in notes
