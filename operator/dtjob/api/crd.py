@@ -124,8 +124,8 @@ def openapi_schema(k8s: bool = True) -> dict[str, Any]:
         "x-kubernetes-validations": [
             {
                 "rule": rules.NAME_CEL,
+                # No fieldPath: the API server refuses one into metadata; the message names the field.
                 "message": rules.NAME_MESSAGE,
-                "fieldPath": ".metadata.name",
                 "reason": "FieldValueInvalid",
             }
         ],
