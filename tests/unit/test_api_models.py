@@ -52,6 +52,19 @@ def test_example_round_trips_through_the_models(path: Path) -> None:
     assert again == job
 
 
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_example_trainer_flags_parse_at_every_allowed_world_size(path: Path) -> None:
+    # The trainer's own flag parser (no torch import) must accept the example at every world size
+    # the operator may choose, e.g. a global batch that some world size does not divide.
+    from dtjob.trainer import config
+
+    spec = parse_job(yaml.safe_load(path.read_text())).spec
+    trainer = spec.trainer_container()
+    assert trainer is not None and trainer["command"] == ["python", "-m", "dtjob.trainer"]
+    for world_size in range(spec.min_world_size, (spec.elastic.max_replicas or spec.replicas) + 1):
+        config.parse(trainer.get("args", []), {"WORLD_SIZE": str(world_size), "RANK": "0"})
+
+
 def test_defaults_of_a_minimal_job() -> None:
     job = parse_job(yaml.safe_load(MINIMAL))
     spec = job.spec
