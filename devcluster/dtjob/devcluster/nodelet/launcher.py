@@ -1,0 +1,75 @@
+"""Runs inside a pod's namespaces (see sandbox.launch_argv) and becomes the container's process.
+
+    python -I -S launcher.py PLAN.json
+
+PLAN: {"hostname", "mounts": [{"source", "target", "readOnly"}], "env": {...}, "workingDir",
+"runAsUser", "runAsGroup", "supplementalGroups", "argv": [...]}. It sets the hostname, bind-mounts
+every volume at its mountPath (this mount namespace is private, so nothing shows on the host), drops
+to the requested user and group, and execs argv. Standard library only: it must start fast.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import json
+import os
+import socket
+import sys
+from typing import Any
+
+MS_RDONLY = 1
+MS_REMOUNT = 32
+MS_BIND = 4096
+MS_REC = 16384
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+
+
+def bind_mount(source: str, target: str, read_only: bool) -> None:
+    if os.path.isdir(source):
+        os.makedirs(target, exist_ok=True)
+    elif not os.path.exists(target):
+        # A file mounted at a path that does not exist yet needs a file to mount over.
+        os.makedirs(os.path.dirname(target) or "/", exist_ok=True)
+        open(target, "a").close()
+    if _libc.mount(source.encode(), target.encode(), None, MS_BIND | MS_REC, None) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"bind-mounting {source} at {target}: {os.strerror(err)}")
+    if read_only:
+        flags = MS_BIND | MS_REMOUNT | MS_RDONLY
+        if _libc.mount(b"none", target.encode(), None, flags, None) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"making {target} read-only: {os.strerror(err)}")
+
+
+def run(plan: dict[str, Any]) -> None:
+    socket.sethostname(plan["hostname"])
+    for m in plan.get("mounts", []):
+        bind_mount(m["source"], m["target"], bool(m.get("readOnly")))
+    workdir = plan.get("workingDir") or "/"
+    os.makedirs(workdir, exist_ok=True)
+    gid, uid = plan.get("runAsGroup"), plan.get("runAsUser")
+    if uid is not None or gid is not None:
+        os.setgroups([int(g) for g in plan.get("supplementalGroups") or []])
+        os.setgid(int(gid if gid is not None else (uid or 0)))
+    if uid is not None:
+        os.setuid(int(uid))
+    os.chdir(workdir)
+    argv = plan["argv"]
+    os.execvpe(argv[0], argv, plan["env"])
+
+
+def main() -> None:
+    with open(sys.argv[1]) as f:
+        plan = json.load(f)
+    try:
+        run(plan)
+    except OSError as e:
+        print(f"dtjob nodelet: starting {plan['argv']!r} failed: {e}", file=sys.stderr, flush=True)
+        # The shell's codes: 127 command not found, 126 not executable; 128 anything else.
+        sys.exit(127 if isinstance(e, FileNotFoundError) else 126 if isinstance(e, PermissionError) else 128)
+
+
+if __name__ == "__main__":
+    main()

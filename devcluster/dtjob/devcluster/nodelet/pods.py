@@ -1,0 +1,345 @@
+"""One pod's life on this node: volumes, sandbox, init containers, containers, restarts, status,
+and termination (SIGTERM, the grace period, SIGKILL)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from dtjob.devcluster.nodelet import sandbox
+from dtjob.devcluster.nodelet.dns import RESOLV_CONF, DnsRecord, render_hosts
+from dtjob.devcluster.nodelet.env import SYSTEM_PATH, EnvError, command_line, container_env, referenced_names
+from dtjob.devcluster.nodelet.kubeapi import ApiError
+from dtjob.devcluster.nodelet.state import write_json
+from dtjob.devcluster.nodelet.status import Conditions, ContainerRun, exit_code, now
+from dtjob.devcluster.nodelet.volumes import (
+    HostVolume,
+    VolumeBuilder,
+    VolumeError,
+    VolumeNotReady,
+    mount_plan,
+)
+
+if TYPE_CHECKING:
+    from dtjob.devcluster.nodelet.manager import PodManager
+
+log = logging.getLogger(__name__)
+Obj = dict[str, Any]
+
+# Restart back-off: the kubelet's doubling from 10 s up to 5 min is cut to 1 s .. 30 s, because on
+# a development cluster a crash loop should be visible quickly, not minutes later.
+BACKOFF_START_S = 1.0
+BACKOFF_MAX_S = 30.0
+# How often a pod waiting for a volume source (an unbound claim, a ConfigMap) looks again.
+VOLUME_RETRY_S = 2.0
+DEFAULT_GRACE_S = 30
+
+
+class PodFailure(Exception):
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+def security(pod: Obj, container: Obj) -> Obj:
+    """runAsUser/runAsGroup/supplementalGroups: the container's securityContext over the pod's."""
+    merged = dict(pod["spec"].get("securityContext") or {})
+    merged.update({k: v for k, v in (container.get("securityContext") or {}).items() if v is not None})
+    return {
+        "runAsUser": merged.get("runAsUser"),
+        "runAsGroup": merged.get("runAsGroup"),
+        "supplementalGroups": merged.get("supplementalGroups") or [],
+    }
+
+
+class PodWorker:
+    def __init__(self, manager: PodManager, pod: Obj) -> None:
+        self.m = manager
+        self.pod = pod
+        meta, spec = pod["metadata"], pod["spec"]
+        self.uid, self.ns, self.name = meta["uid"], meta["namespace"], meta["name"]
+        self.hostname = spec.get("hostname") or self.name
+        self.policy = spec.get("restartPolicy", "Always")
+        self.init_specs: list[Obj] = spec.get("initContainers") or []
+        self.specs: list[Obj] = spec.get("containers") or []
+        self.init_runs = [ContainerRun(c["name"], c.get("image", ""), init=True) for c in self.init_specs]
+        self.runs = [ContainerRun(c["name"], c.get("image", "")) for c in self.specs]
+        self.procs: dict[str, asyncio.subprocess.Process] = {}
+        self.phase = "Pending"
+        self.reason = ""
+        self.message = ""
+        self.conditions = Conditions()
+        self.box: sandbox.Sandbox | None = None
+        self.volumes: dict[str, HostVolume] = {}
+        self.configmaps: dict[str, dict[str, str]] = {}
+        self.secrets: dict[str, dict[str, str]] = {}
+        self.start_time = now()
+        self.terminating = asyncio.Event()
+        self.node_shutdown = False  # set when the nodelet itself stops
+        self.done = asyncio.Event()
+        self._report_lock = asyncio.Lock()
+
+    # ---- life cycle -------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        try:
+            await self._run()
+            if self.node_shutdown:
+                self._fail("Terminated", "Pod was terminated in response to the node's shutdown")
+        except PodFailure as e:
+            self._fail(e.reason, e.message)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.exception("pod %s/%s", self.ns, self.name)
+            self._fail("NodeletError", f"the nodelet could not run the pod: {e}")
+        finally:
+            self._signal_all(signal.SIGKILL)
+            if self.box is not None:
+                sandbox.teardown(self.box.netns, self.box.veth)
+            with contextlib.suppress(Exception):
+                await self.report()
+            self.done.set()
+
+    async def _run(self) -> None:
+        self.conditions.set("PodReadyToStartContainers", False)
+        self.conditions.set(
+            "Initialized", not self.init_specs, "" if not self.init_specs else "ContainersNotInitialized"
+        )
+        self._update_ready()
+        await self.report()
+        if not await self._prepare():
+            return
+        for spec, run in zip(self.init_specs, self.init_runs, strict=True):
+            if not await self._keep_running(spec, run):
+                if not self.terminating.is_set():
+                    self._fail(
+                        "InitContainerFailed", f"init container {run.name!r} exited with code {run.exit_code}"
+                    )
+                return
+        self.conditions.set("Initialized", True)
+        self.phase = "Running"
+        await asyncio.gather(*(self._keep_running(s, r) for s, r in zip(self.specs, self.runs, strict=True)))
+        self.phase = "Succeeded" if all(r.exit_code == 0 for r in self.runs) else "Failed"
+        self._update_ready()
+        log.info("pod %s/%s %s", self.ns, self.name, self.phase)
+
+    async def _prepare(self) -> bool:
+        """Volumes, env sources and the sandbox; False if the pod was deleted meanwhile."""
+        builder = VolumeBuilder(self.m.api, self.m.state, self.pod, self.m.cfg.ca_cert)
+        while not self.terminating.is_set():
+            try:
+                self.volumes = await builder.build()
+                break
+            except VolumeError as e:
+                raise PodFailure(e.reason, e.message) from None
+            except VolumeNotReady as e:
+                for run in self.init_runs + self.runs:
+                    run.waiting("ContainerCreating", f"waiting for volumes: {e}")
+                await self.report()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.terminating.wait(), VOLUME_RETRY_S)
+        if self.terminating.is_set():
+            return False
+        await self._fetch_env_sources()
+        cfg = self.m.cfg
+        self.box = sandbox.create(
+            self.m.state, self.uid, cfg.pod_cidr, cfg.bridge, cfg.node_ip, cfg.bridge_prefix_len
+        )
+        self.pod.setdefault("status", {}).update(
+            {"podIP": self.box.ip, "podIPs": [{"ip": self.box.ip}], "hostIP": cfg.node_ip}
+        )
+        sandbox.write_etc(self.box.netns, self.hosts_text(self.m.dns_records), RESOLV_CONF)
+        self.conditions.set("PodReadyToStartContainers", True)
+        await self.report()
+        return True
+
+    async def _fetch_env_sources(self) -> None:
+        cms, secrets = referenced_names(self.pod)
+        for name in cms:
+            with contextlib.suppress(ApiError):
+                cm = await self.m.api.get(f"/api/v1/namespaces/{self.ns}/configmaps/{name}")
+                self.configmaps[name] = dict(cm.get("data") or {})
+        for name in secrets:
+            with contextlib.suppress(ApiError):
+                s = await self.m.api.get(f"/api/v1/namespaces/{self.ns}/secrets/{name}")
+                self.secrets[name] = {
+                    k: base64.b64decode(v).decode() for k, v in (s.get("data") or {}).items()
+                }
+
+    async def _keep_running(self, spec: Obj, run: ContainerRun) -> bool:
+        """Runs one container, restarting it as restartPolicy says; True if it ended with exit 0."""
+        backoff = BACKOFF_START_S
+        while True:
+            code = await self._run_once(spec, run)
+            if self.terminating.is_set():
+                return code == 0
+            if run.init:
+                restart = code != 0 and self.policy != "Never"
+            else:
+                restart = self.policy == "Always" or (self.policy == "OnFailure" and code != 0)
+            if not restart:
+                return code == 0
+            run.restarting()
+            run.waiting("CrashLoopBackOff", f"back-off {backoff:g}s restarting container {run.name!r}")
+            self._update_ready()
+            await self.report()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.terminating.wait(), backoff)
+            if self.terminating.is_set():
+                return False
+            backoff = min(backoff * 2, BACKOFF_MAX_S)
+
+    async def _run_once(self, spec: Obj, run: ContainerRun) -> int:
+        if self.terminating.is_set() or self.box is None:
+            return 1
+        st = self.m.state
+        try:
+            env = container_env(self.pod, spec, self.configmaps, self.secrets, self.m.api_address)
+            argv = command_line(spec, env)
+            plan = {
+                "hostname": self.hostname,
+                "mounts": mount_plan(spec, self.volumes, env),
+                "env": env,
+                "workingDir": spec.get("workingDir"),
+                "argv": argv,
+                **security(self.pod, spec),
+            }
+        except (EnvError, VolumeError) as e:
+            raise PodFailure("CreateContainerConfigError", f"container {run.name!r}: {e}") from None
+        plan_file = st.plan_file(self.uid, run.name)
+        write_json(plan_file, plan)
+        plan_file.chmod(0o600)  # it holds the container's env, secrets included
+        log_file = st.log_file(self.uid, run.name, run.restart_count)
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_file, "ab") as out:
+            proc = await asyncio.create_subprocess_exec(
+                *sandbox.launch_argv(self.box.netns, plan_file),
+                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True, env={"PATH": SYSTEM_PATH},
+            )  # fmt: skip
+        st.record_process(self.uid, run.name, proc.pid)
+        self.procs[run.name] = proc
+        run.running(proc.pid)
+        if self.terminating.is_set():  # deleted while it was starting
+            self._signal(proc, signal.SIGTERM)
+        self._update_ready()
+        await self.report()
+        returncode = await proc.wait()
+        self.procs.pop(run.name, None)
+        st.proc_file(self.uid, run.name).unlink(missing_ok=True)
+        run.terminated(exit_code(returncode))
+        log.info("pod %s/%s container %s exited with %d", self.ns, self.name, run.name, run.exit_code)
+        self._update_ready()
+        await self.report()
+        return run.exit_code or 0
+
+    async def terminate(self, grace: float) -> None:
+        """SIGTERM to every container, SIGKILL to what is left after `grace` seconds; returns when
+        the pod's processes are gone and its sandbox is removed."""
+        self.terminating.set()
+        self._signal_all(signal.SIGTERM)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._procs_exited(), grace)
+        self._signal_all(signal.SIGKILL)
+        await self.done.wait()
+
+    async def _procs_exited(self) -> None:
+        while self.procs:
+            await asyncio.gather(*(p.wait() for p in list(self.procs.values())))
+            await asyncio.sleep(0)
+
+    def _signal_all(self, sig: int) -> None:
+        for proc in list(self.procs.values()):
+            self._signal(proc, sig)
+
+    @staticmethod
+    def _signal(proc: asyncio.subprocess.Process, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, sig)
+
+    # ---- status -----------------------------------------------------------------------------
+
+    def _fail(self, reason: str, message: str) -> None:
+        log.warning("pod %s/%s failed: %s: %s", self.ns, self.name, reason, message)
+        self.phase, self.reason, self.message = "Failed", reason, message
+        for run in self.init_runs + self.runs:
+            if run.state == "waiting":
+                run.waiting(reason, message)
+        self._update_ready()
+
+    def _update_ready(self) -> None:
+        ready = self.phase == "Running" and bool(self.runs) and all(r.state == "running" for r in self.runs)
+        done = self.phase in ("Succeeded", "Failed")
+        reason = "" if ready else ("PodCompleted" if done else "ContainersNotReady")
+        self.conditions.set("ContainersReady", ready, reason)
+        self.conditions.set("Ready", ready, reason)
+
+    def status(self) -> Obj:
+        st: Obj = {
+            "phase": self.phase,
+            "hostIP": self.m.cfg.node_ip,
+            "hostIPs": [{"ip": self.m.cfg.node_ip}],
+            "startTime": self.start_time,
+            "conditions": self.conditions.as_list(),
+            "containerStatuses": [r.status() for r in self.runs],
+        }
+        if self.init_runs:
+            st["initContainerStatuses"] = [r.status() for r in self.init_runs]
+        if self.box is not None:
+            st["podIP"], st["podIPs"] = self.box.ip, [{"ip": self.box.ip}]
+        if self.reason:
+            st["reason"], st["message"] = self.reason, self.message
+        return st
+
+    async def report(self) -> None:
+        """Sends the current status (a strategic merge patch: conditions of others are kept)."""
+        async with self._report_lock:
+            path = f"/api/v1/namespaces/{self.ns}/pods/{self.name}/status"
+            try:
+                await self.m.api.request("PATCH", path, body={"status": self.status()}, patch="strategic")
+            except ApiError as e:
+                if e.status != 404:  # gone already: nothing to report to
+                    log.warning("status of pod %s/%s: %s", self.ns, self.name, e)
+
+    # ---- DNS and logs -----------------------------------------------------------------------
+
+    def hosts_text(self, records: list[DnsRecord]) -> str:
+        assert self.box is not None
+        return render_hosts(self.ns, self.box.ip, self.hostname, self.pod["spec"].get("subdomain"), records)
+
+    def update_hosts(self, records: list[DnsRecord]) -> None:
+        if self.box is not None and not self.done.is_set():
+            sandbox.update_hosts(self.box.netns, self.hosts_text(records))
+
+    def container_names(self) -> list[str]:
+        return [r.name for r in self.init_runs + self.runs]
+
+    def _find(self, container: str) -> ContainerRun | None:
+        return next((r for r in self.init_runs + self.runs if r.name == container), None)
+
+    def log_target(self, container: str, previous: bool) -> tuple[Path, int] | None:
+        """(log file, run number) of the container's current run, or of the one before."""
+        run = self._find(container)
+        if run is None:
+            return None
+        attempt = run.restart_count - 1 if previous else run.restart_count
+        return (self.m.state.log_file(self.uid, container, attempt), attempt) if attempt >= 0 else None
+
+    def still_writing(self, container: str, attempt: int) -> bool:
+        """Whether run `attempt` of the container may still add to its log (for `logs -f`)."""
+        run = self._find(container)
+        return (
+            run is not None
+            and not self.done.is_set()
+            and run.restart_count == attempt
+            and run.state != "terminated"
+        )
