@@ -23,6 +23,7 @@ def make_job(
     max_restarts: int = 3,
     status: dict[str, Any] | None = None,
     cpu: str = "1",
+    elastic: dict[str, Any] | None = None,
     **spec_extra: Any,
 ) -> dict[str, Any]:
     spec: dict[str, Any] = {
@@ -31,7 +32,8 @@ def make_job(
             "minReplicas": min_replicas,
             "maxReplicas": max_replicas,
             "maxRestarts": max_restarts,
-            "schedulingTimeoutSeconds": 30,
+            "unschedulableTimeoutSeconds": 30,
+            **(elastic or {}),
         },
         "checkpoint": {"mountPath": "/ckpt", "volume": {"hostPath": {"path": "/tmp/ckpt"}}},
         "masterPort": 29500,
@@ -119,6 +121,7 @@ def running_status(
         "phase": "Running",
         "generation": generation,
         "replicas": size,
+        "readyReplicas": size,
         "restarts": restarts,
         "selector": "training.dtjob.io/job-name=gpt",
         "startTime": to_rfc3339(at(0)),

@@ -33,7 +33,7 @@ def pending_gang() -> list[dict[str, Any]]:
 
 
 def test_unschedulable_gang_waits_for_the_timeout_then_shrinks_planned() -> None:
-    job = make_job(status={**running_status(), "phase": "Pending", "conditions": []})
+    job = make_job(status={**running_status(), "phase": "Pending", "conditions": [], "readyReplicas": 2})
     nodes = [make_node("n1")]
     assert run(job, pending_gang(), nodes, now=29) == []
     actions = run(job, pending_gang(), nodes, now=31)

@@ -91,12 +91,23 @@ def test_permanent_exit_code_fails_at_once_even_with_restarts_left() -> None:
 
 
 def test_permanent_exit_codes_come_from_the_spec_when_given() -> None:
-    job = make_job(status=running_status(), restartPolicy={"permanentExitCodes": [42]})
+    job = make_job(status=running_status(), elastic={"permanentExitCodes": [42]})
     pods = gang(4)
     pods[3] = make_pod(3, phase="Failed", exit_code=2)
     assert status_patch(run(job, pods, two_nodes()))["phase"] == "Restarting"
     pods[3] = make_pod(3, phase="Failed", exit_code=42)
     assert status_patch(run(job, pods, two_nodes()))["phase"] == "Failed"
+
+
+def test_restart_policy_never_fails_on_any_failure_and_on_failure_always_restarts() -> None:
+    pods = gang(4)
+    pods[3] = make_pod(3, phase="Failed", exit_code=2)
+    never = status_patch(
+        run(make_job(status=running_status(), elastic={"restartPolicy": "Never"}), pods, two_nodes())
+    )
+    assert never["phase"] == "Failed" and condition(never, "Failed")["reason"] == "RestartPolicyNever"
+    always = make_job(status=running_status(), elastic={"restartPolicy": "OnFailure"})
+    assert status_patch(run(always, pods, two_nodes()))["phase"] == "Restarting"
 
 
 def test_worker_that_stopped_with_a_checkpoint_restarts_uncounted() -> None:

@@ -81,7 +81,7 @@ def test_all_workers_exit_zero_succeeds_and_keeps_finished_pods() -> None:
 
 
 def test_some_workers_done_others_running_waits() -> None:
-    job = make_job(status=running_status())
+    job = make_job(status={**running_status(), "readyReplicas": 2})
     pods = [*gang(2, phase="Succeeded", exit_code=0), make_pod(2), make_pod(3)]
     assert run(job, pods, two_nodes()) == []
 
@@ -140,6 +140,16 @@ def test_trainer_metrics_fill_step_and_last_checkpoint() -> None:
     metrics = TrainerMetrics(step=17, checkpoint_step=15, checkpoint_time=at(90).timestamp())
     actions = run(job, gang(4), two_nodes(), metrics=metrics)
     assert actions == [PatchStatus({"step": 17, "lastCheckpoint": {"step": 15, "time": to_rfc3339(at(90))}})]
+
+
+def test_invalid_spec_creates_nothing_and_says_why_once() -> None:
+    job = make_job(replicas=4, max_replicas=3)
+    actions = run(job, [], two_nodes(), service_exists=False)
+    valid = next(c for c in status_patch(actions)["conditions"] if c["type"] == "Valid")
+    assert valid["status"] == "False" and "maxReplicas" in valid["message"]
+    assert [(e.type, e.reason) for e in events(actions)] == [("Warning", "InvalidSpec")]
+    assert len(actions) == 2, "no pod, no service"
+    assert run(applied(job, actions), [], two_nodes()) == [], "the same problem is reported once"
 
 
 def test_deleted_job_is_left_to_garbage_collection() -> None:

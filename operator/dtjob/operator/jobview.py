@@ -92,13 +92,16 @@ class JobView:
         return int(_get(self.spec, "elastic", "minReplicas", default=self.replicas))
 
     @property
-    def max_replicas(self) -> int:
-        return int(_get(self.spec, "elastic", "maxReplicas", default=max(self.replicas, self.min_replicas)))
+    def max_replicas(self) -> int | None:
+        """None: no upper bound."""
+        value = _get(self.spec, "elastic", "maxReplicas", default=None)
+        return None if value is None else int(value)
 
     @property
     def desired_replicas(self) -> int:
         """spec.replicas clamped into [minReplicas, maxReplicas] (the API server enforces it too)."""
-        return max(self.min_replicas, min(self.replicas, self.max_replicas))
+        upper = self.max_replicas if self.max_replicas is not None else self.replicas
+        return max(self.min_replicas, min(self.replicas, upper))
 
     @property
     def max_restarts(self) -> int:
@@ -106,24 +109,23 @@ class JobView:
 
     @property
     def scheduling_timeout_seconds(self) -> float:
-        elastic = _get(self.spec, "elastic", default={})
-        for key in ("schedulingTimeoutSeconds", "scaleDownTimeoutSeconds", "unschedulableTimeoutSeconds"):
-            if key in elastic and elastic[key] is not None:
-                return float(elastic[key])
-        return float(DEFAULT_SCHEDULING_TIMEOUT_SECONDS)
+        """elastic.unschedulableTimeoutSeconds: how long pods may stay unschedulable."""
+        value = _get(self.spec, "elastic", "unschedulableTimeoutSeconds", default=None)
+        return float(DEFAULT_SCHEDULING_TIMEOUT_SECONDS if value is None else value)
+
+    @property
+    def restart_policy(self) -> str:
+        """OnFailure (always restart), Never (any failure fails the job) or ExitCode (default)."""
+        return str(_get(self.spec, "elastic", "restartPolicy", default="ExitCode"))
 
     def is_permanent_exit_code(self, code: int) -> bool:
-        """Whether a worker exit code fails the job at once instead of restarting the gang."""
-        policy = _get(self.spec, "restartPolicy", default=None) or _get(
-            self.spec, "elastic", "restartPolicy", default=None
-        )
-        codes: list[int] | tuple[int, ...] = DEFAULT_PERMANENT_EXIT_CODES
-        if isinstance(policy, Mapping):
-            if policy.get("permanentExitCodes") is not None:
-                codes = [int(c) for c in policy["permanentExitCodes"]]
-            if policy.get("retryableExitCodes") is not None and code in policy["retryableExitCodes"]:
-                return False
-        return code in codes
+        """Whether a worker's failure fails the job at once instead of restarting the gang."""
+        if self.restart_policy == "Never":
+            return True
+        if self.restart_policy == "OnFailure":
+            return False
+        codes = _get(self.spec, "elastic", "permanentExitCodes", default=DEFAULT_PERMANENT_EXIT_CODES)
+        return code in {int(c) for c in codes}
 
     # ports and paths ----------------------------------------------------------------------
     @property

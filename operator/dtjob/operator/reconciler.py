@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from dtjob.api import validate_job
 from dtjob.operator import pods as manifests
 from dtjob.operator.actions import (
     Action,
@@ -241,6 +242,18 @@ def reconcile(obs: Observed) -> list[Action]:
         _clean_up_finished(p, workers)
         return _finish(p)
 
+    problems = validate_job(dict(obs.job))
+    if problems:
+        # The API server's CEL rules normally stop these; an API server without them must not
+        # get a broken gang either. Nothing is created until the spec is fixed.
+        message = "; ".join(problems)
+        if (p.condition("Valid") or {}).get("message") != message:
+            p.event("InvalidSpec", message, warning=True)
+        p.set_condition("Valid", False, "InvalidSpec", message)
+        return _finish(p)
+    if p.condition("Valid") is not None:
+        p.set_condition("Valid", True, "Valid", "the spec passes every rule")
+
     if not obs.service_exists:
         p.actions.append(CreateService(manifests.headless_service(job)))
     if not p.status.get("phase"):
@@ -267,6 +280,14 @@ def reconcile(obs: Observed) -> list[Action]:
     current = [w for w in workers if w.generation == generation and w.rank is not None and w.rank < size]
     if not _decide(p, current, workers):
         _converge_pods(p, workers, current)
+    p.status["readyReplicas"] = sum(
+        1
+        for w in workers
+        if w.generation == p.status.get("generation") and w.phase == "Running" and not w.deleting
+    )
+    observed = (obs.job.get("metadata") or {}).get("generation")
+    if observed is not None:
+        p.status["observedGeneration"] = observed
     _read_metrics(p)
     return _finish(p)
 
@@ -418,7 +439,12 @@ def _decide(p: _Pass, current: Sequence[Worker], workers: Sequence[Worker]) -> b
 
     for f in failures:
         code = f.worker.exit_code
-        if f.reason == "WorkerFailed" and code is not None and job.is_permanent_exit_code(code):
+        if f.reason != "WorkerFailed":
+            continue
+        if job.restart_policy == "Never":
+            _fail(p, workers, "RestartPolicyNever", f"{f.message}; elastic.restartPolicy is Never")
+            return True
+        if code is not None and job.is_permanent_exit_code(code):
             _fail(p, workers, "PermanentError", f"{f.worker.name} exited with permanent exit code {code}")
             return True
 

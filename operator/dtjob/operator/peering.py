@@ -1,0 +1,89 @@
+"""kopf peering: the CRDs and the peering object, so that of several operator replicas exactly one
+is active (the others pause until it stops renewing its heartbeat).
+
+kopf expects `kopf.dev/v1` ClusterKopfPeering (cluster-wide operators) or KopfPeering
+(namespaced ones) to exist; `ensure_peering` creates the CRD and the named object when missing.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from kubernetes import client
+from kubernetes.client.rest import ApiException
+
+log = logging.getLogger("dtjob.operator")
+PEERING_GROUP, PEERING_VERSION = "kopf.dev", "v1"
+
+
+def peering_crd(scope: str) -> dict[str, Any]:
+    kind = "ClusterKopfPeering" if scope == "Cluster" else "KopfPeering"
+    plural = kind.lower() + "s"
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{plural}.{PEERING_GROUP}"},
+        "spec": {
+            "group": PEERING_GROUP,
+            "scope": scope,
+            "names": {"kind": kind, "plural": plural, "singular": kind.lower()},
+            "versions": [
+                {
+                    "name": PEERING_VERSION,
+                    "served": True,
+                    "storage": True,
+                    "schema": {
+                        "openAPIV3Schema": {
+                            "type": "object",
+                            "x-kubernetes-preserve-unknown-fields": True,
+                        }
+                    },
+                }
+            ],
+        },
+    }
+
+
+def _ensure_crd(scope: str) -> str:
+    crd = peering_crd(scope)
+    ext = client.ApiextensionsV1Api()
+    try:
+        ext.create_custom_resource_definition(crd)  # type: ignore[arg-type]
+        log.info("created CRD %s", crd["metadata"]["name"])
+    except ApiException as e:
+        if e.status != 409:
+            raise
+    plural: str = crd["spec"]["names"]["plural"]
+    # The API server serves a new CRD's resource a moment after accepting it.
+    for _ in range(50):
+        served = ext.read_custom_resource_definition(crd["metadata"]["name"])
+        conditions = served.status.conditions if served.status else None
+        if any(c.type == "Established" and c.status == "True" for c in conditions or []):
+            break
+        time.sleep(0.1)
+    return plural
+
+
+def ensure_peering(name: str, clusterwide: bool, namespaces: list[str]) -> None:
+    custom = client.CustomObjectsApi()
+    if clusterwide:
+        plural = _ensure_crd("Cluster")
+        body = {"apiVersion": f"{PEERING_GROUP}/{PEERING_VERSION}", "kind": "ClusterKopfPeering",
+                "metadata": {"name": name}}  # fmt: skip
+        try:
+            custom.create_cluster_custom_object(PEERING_GROUP, PEERING_VERSION, plural, body)
+        except ApiException as e:
+            if e.status != 409:
+                raise
+        return
+    plural = _ensure_crd("Namespaced")
+    for namespace in namespaces:
+        body = {"apiVersion": f"{PEERING_GROUP}/{PEERING_VERSION}", "kind": "KopfPeering",
+                "metadata": {"name": name, "namespace": namespace}}  # fmt: skip
+        try:
+            custom.create_namespaced_custom_object(PEERING_GROUP, PEERING_VERSION, namespace, plural, body)
+        except ApiException as e:
+            if e.status != 409:
+                raise
