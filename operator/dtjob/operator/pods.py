@@ -28,9 +28,6 @@ from dtjob.operator.quantity import format_quantity, parse_quantity
 PODGROUP_API_VERSION = "scheduling.volcano.sh/v1beta1"
 PODGROUP_ANNOTATION = "scheduling.k8s.io/group-name"
 CHECKPOINT_VOLUME_NAME = "checkpoint"
-# uid/gid of the trainer when the template does not choose one: any non-root id works, 1000 is
-# the first regular user on most images.
-DEFAULT_RUN_AS_USER = 1000
 
 
 def worker_name(job_name: str, rank: int) -> str:
@@ -119,9 +116,11 @@ def worker_pod(job: JobView, rank: int, world_size: int, generation: int) -> dic
         spec["schedulerName"] = job.scheduler_name
     if job.priority_class_name:
         spec.setdefault("priorityClassName", job.priority_class_name)
+    # Non-root by default: the trainer image runs as uid 1000 (USER in its Dockerfile), so the
+    # kubelet can enforce it without the operator picking a uid that the checkpoint volume's
+    # owner might not match. A template that chooses a user keeps its choice.
     pod_security = spec.setdefault("securityContext", {})
     pod_security.setdefault("runAsNonRoot", True)
-    pod_security.setdefault("runAsUser", DEFAULT_RUN_AS_USER)
 
     volume = _checkpoint_volume(job)
     if volume is not None:
@@ -129,7 +128,9 @@ def worker_pod(job: JobView, rank: int, world_size: int, generation: int) -> dic
         spec["volumes"] = [*volumes, volume]
 
     for container in spec.get("containers") or []:
-        container.setdefault("securityContext", {}).setdefault("allowPrivilegeEscalation", False)
+        security = container.setdefault("securityContext", {})
+        security.setdefault("allowPrivilegeEscalation", False)
+        security.setdefault("capabilities", {"drop": ["ALL"]})
         if container.get("name") != TRAINER_CONTAINER:
             continue
         container["env"] = _merge_env(
