@@ -1,0 +1,26 @@
+"""dtjob's own collectives: Ring and Halving-Doubling built from torch.distributed point-to-point ops.
+
+    from dtjob.trainer.collectives import all_reduce
+    all_reduce(grad, op=ReduceOp.AVG, group=dp_group)              # algorithm chosen by cost model
+    all_reduce(grad, algorithm="ring")                             # or forced per call
+    DTJOB_COLLECTIVE_ALGO="allreduce:hd;reduce_scatter:ring"       # or forced per op, like NCCL_ALGO
+
+Same signatures, in-place behaviour and argument order as torch.distributed, plus the keyword
+`algorithm` ("auto", "ring", "hd"; also "rd" for all_reduce and "tree" for broadcast). Works on
+gloo and NCCL, any group, any world size, any length; results are bitwise identical on every rank.
+"""
+
+from dtjob.trainer.collectives.api import all_gather_into_tensor, all_reduce, broadcast, reduce_scatter_tensor
+from dtjob.trainer.collectives.selection import ALGORITHMS, ENV_VAR
+from dtjob.trainer.collectives.work import CollectiveWork, forget_groups
+
+__all__ = [
+    "ALGORITHMS",
+    "ENV_VAR",
+    "CollectiveWork",
+    "all_gather_into_tensor",
+    "all_reduce",
+    "broadcast",
+    "forget_groups",
+    "reduce_scatter_tensor",
+]

@@ -1,0 +1,256 @@
+"""The four collectives, with torch.distributed's signatures plus `algorithm=`.
+
+Each call validates its arguments in the caller (clear errors, before any message is sent), then
+hands a job to the group's runner (work.py), which runs it in call order, inline or on the group's
+worker thread for `async_op=True`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from dtjob.trainer.collectives import broadcast as broadcast_algos
+from dtjob.trainer.collectives import halving_doubling, ring, selection
+from dtjob.trainer.collectives.calibration import cost_model
+from dtjob.trainer.collectives.comm import Comm
+from dtjob.trainer.collectives.reduce_ops import SUPPORTED_DTYPES, ReduceOpLike, Reduction
+from dtjob.trainer.collectives.work import CollectiveWork, GroupRunner, completed_work, runner_for
+
+ProcessGroup = dist.ProcessGroup
+
+
+def _group(group: ProcessGroup | None, name: str) -> ProcessGroup | None:
+    """The process group to use, or None when this rank is not a member (torch returns None then)."""
+    if not dist.is_initialized():
+        raise RuntimeError(f"{name}: torch.distributed is not initialized; call init_process_group() first")
+    if group is None:
+        world = dist.group.WORLD
+        assert isinstance(world, ProcessGroup)
+        return world
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        return None
+    if not isinstance(group, ProcessGroup):
+        raise TypeError(f"{name}: group must be a ProcessGroup from new_group() or None, got {group!r}")
+    return group
+
+
+def _check_tensor(name: str, arg: str, tensor: object) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name}: {arg} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype not in SUPPORTED_DTYPES:
+        supported = ", ".join(sorted(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES))
+        raise TypeError(
+            f"{name}: {arg} has dtype {tensor.dtype}, which is not supported; use one of {supported}"
+        )
+    return tensor
+
+
+def _check_pair(name: str, output: torch.Tensor, input: torch.Tensor) -> None:
+    if output.dtype != input.dtype:
+        raise TypeError(f"{name}: output dtype {output.dtype} differs from input dtype {input.dtype}")
+    if output.device != input.device:
+        raise ValueError(f"{name}: output is on {output.device} but input is on {input.device}")
+
+
+def _algorithm(op: str, algorithm: str) -> str:
+    selection.validate_keyword(op, algorithm)
+    if algorithm == "auto":
+        return selection.env_override(op) or "auto"
+    return algorithm
+
+
+def _resolve(
+    op: str, algorithm: str, runner: GroupRunner, comm: Comm, nbytes: int, dtype: torch.dtype
+) -> str:
+    if algorithm != "auto":
+        return algorithm
+    model = cost_model(runner, comm)
+    return selection.choose(op, nbytes, comm.size, str(dtype).removeprefix("torch."), model)
+
+
+def _flat(tensor: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """A contiguous 1-D view of `tensor`, or a copy (True) that must be written back."""
+    if tensor.is_contiguous():
+        return tensor.view(-1), False
+    return tensor.contiguous().view(-1), True
+
+
+def _submit(
+    runner: GroupRunner, job: Callable[[Comm], None], async_op: bool, tensors: list[torch.Tensor]
+) -> CollectiveWork | None:
+    group = runner.group
+    return runner.submit(lambda tag: job(Comm(group, tag)), async_op, tensors)
+
+
+def all_reduce(
+    tensor: torch.Tensor,
+    op: ReduceOpLike = dist.ReduceOp.SUM,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+    *,
+    algorithm: str = "auto",
+) -> CollectiveWork | None:
+    """Reduce `tensor` across the group in place; every rank ends with the same bits."""
+    pg = _group(group, "all_reduce")
+    if pg is None:
+        return None
+    _check_tensor("all_reduce", "tensor", tensor)
+    reduction = Reduction(op, tensor.dtype)
+    choice = _algorithm("allreduce", algorithm)
+    runner = runner_for(pg)
+    if runner.size == 1 or tensor.numel() == 0:
+        return completed_work([tensor]) if async_op else None
+
+    def job(comm: Comm) -> None:
+        flat, copied = _flat(tensor)
+        algo = _resolve("allreduce", choice, runner, comm, flat.numel() * flat.element_size(), flat.dtype)
+        if algo == "ring":
+            ring.all_reduce(comm, flat, reduction)
+        elif algo == "hd":
+            halving_doubling.all_reduce(comm, flat, reduction)
+        else:
+            halving_doubling.recursive_doubling_all_reduce(comm, flat, reduction)
+        if copied:
+            tensor.copy_(flat.view_as(tensor))
+
+    return _submit(runner, job, async_op, [tensor])
+
+
+def reduce_scatter_tensor(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    op: ReduceOpLike = dist.ReduceOp.SUM,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+    *,
+    algorithm: str = "auto",
+) -> CollectiveWork | None:
+    """Reduce `input` (world_size x output.numel() elements) and keep this rank's slice in `output`."""
+    name = "reduce_scatter_tensor"
+    pg = _group(group, name)
+    if pg is None:
+        return None
+    _check_tensor(name, "output", output)
+    _check_tensor(name, "input", input)
+    _check_pair(name, output, input)
+    reduction = Reduction(op, input.dtype)
+    choice = _algorithm("reduce_scatter", algorithm)
+    runner = runner_for(pg)
+    n, count = runner.size, output.numel()
+    if input.numel() != n * count:
+        raise ValueError(
+            f"{name}: input has {input.numel()} elements but must have world_size ({n}) x "
+            f"output.numel() ({count}) = {n * count}"
+        )
+    if n == 1 or count == 0:
+        output.copy_(input.view_as(output) if input.is_contiguous() else input.reshape(output.shape))
+        return completed_work([output]) if async_op else None
+
+    def job(comm: Comm) -> None:
+        work = input.reshape(-1).clone()
+        bounds = [i * count for i in range(n + 1)]
+        algo = _resolve(
+            "reduce_scatter", choice, runner, comm, work.numel() * work.element_size(), work.dtype
+        )
+        if algo == "ring":
+            ring.reduce_scatter(comm, work, bounds, reduction)
+        else:
+            halving_doubling.reduce_scatter(comm, work, bounds, reduction)
+        output.copy_(work[bounds[comm.rank] : bounds[comm.rank + 1]].view(output.shape))
+
+    return _submit(runner, job, async_op, [output])
+
+
+def all_gather_into_tensor(
+    output_tensor: torch.Tensor,
+    input_tensor: torch.Tensor,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+    *,
+    algorithm: str = "auto",
+) -> CollectiveWork | None:
+    """Concatenate every rank's `input_tensor` (in group rank order) into `output_tensor`."""
+    name = "all_gather_into_tensor"
+    pg = _group(group, name)
+    if pg is None:
+        return None
+    _check_tensor(name, "output_tensor", output_tensor)
+    _check_tensor(name, "input_tensor", input_tensor)
+    _check_pair(name, output_tensor, input_tensor)
+    choice = _algorithm("allgather", algorithm)
+    runner = runner_for(pg)
+    n, count = runner.size, input_tensor.numel()
+    if output_tensor.numel() != n * count:
+        raise ValueError(
+            f"{name}: output_tensor has {output_tensor.numel()} elements but must have world_size ({n}) "
+            f"x input_tensor.numel() ({count}) = {n * count}"
+        )
+    if n == 1 or count == 0:
+        output_tensor.copy_(input_tensor.reshape(output_tensor.shape))
+        return completed_work([output_tensor]) if async_op else None
+
+    def job(comm: Comm) -> None:
+        flat, copied = _flat(output_tensor)
+        bounds = [i * count for i in range(n + 1)]
+        flat[bounds[comm.rank] : bounds[comm.rank + 1]].copy_(input_tensor.reshape(-1))
+        algo = _resolve("allgather", choice, runner, comm, flat.numel() * flat.element_size(), flat.dtype)
+        if algo == "ring":
+            ring.all_gather(comm, flat, bounds)
+        else:
+            halving_doubling.all_gather(comm, flat, bounds)
+        if copied:
+            output_tensor.copy_(flat.view_as(output_tensor))
+
+    return _submit(runner, job, async_op, [output_tensor])
+
+
+def broadcast(
+    tensor: torch.Tensor,
+    src: int | None = None,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+    *,
+    group_src: int | None = None,
+    algorithm: str = "auto",
+) -> CollectiveWork | None:
+    """Copy `tensor` from global rank `src` (or group rank `group_src`) to every rank of the group."""
+    pg = _group(group, "broadcast")
+    if pg is None:
+        return None
+    _check_tensor("broadcast", "tensor", tensor)
+    if (src is None) == (group_src is None):
+        raise ValueError("broadcast: give exactly one of src (global rank) or group_src (rank in group)")
+    if group_src is None:
+        assert src is not None
+        try:
+            root = dist.get_group_rank(pg, src)
+        except (ValueError, RuntimeError) as error:
+            raise ValueError(f"broadcast: src={src} is not a member of the group: {error}") from error
+    else:
+        root = group_src
+    if not 0 <= root < pg.size():
+        raise ValueError(f"broadcast: group_src={root} is outside the group (size {pg.size()})")
+    choice = _algorithm("broadcast", algorithm)
+    runner = runner_for(pg)
+    if runner.size == 1 or tensor.numel() == 0:
+        return completed_work([tensor]) if async_op else None
+
+    def job(comm: Comm) -> None:
+        flat, copied = _flat(tensor)
+        algo = _resolve("broadcast", choice, runner, comm, flat.numel() * flat.element_size(), flat.dtype)
+        if algo == "tree":
+            broadcast_algos.tree(comm, flat, root)
+        elif algo == "ring":
+            broadcast_algos.scatter_ring(comm, flat, root)
+        else:
+            broadcast_algos.scatter_doubling(comm, flat, root)
+        if copied:
+            tensor.copy_(flat.view_as(tensor))
+
+    return _submit(runner, job, async_op, [tensor])
+
+
+__all__ = ["all_gather_into_tensor", "all_reduce", "broadcast", "reduce_scatter_tensor"]

@@ -1,0 +1,240 @@
+"""Halving-doubling (Rabenseifner) reduce-scatter / all-gather / all-reduce, and recursive doubling.
+
+Power-of-two groups: the reduce-scatter halves the range of blocks each step (partner = rank XOR
+mask, mask = p/2 ... 1): keep one half, send the other, reduce what the partner sent for the kept
+half. After log2(p) steps rank v owns block v. The all-gather doubles back (mask = 1 ... p/2).
+That is 2*log2(p) messages instead of the ring's 2(p-1), for the same bytes.
+
+Other world sizes: MPICH's reduce-to-the-nearest-power-of-two, not gloo's binary blocks. With
+p = 2^floor(log2 n) and e = n - p "extra" ranks, ranks 2i and 2i+1 (i < e) fold together before
+the power-of-two algorithm (2i hands its whole vector to 2i+1) and unfold after. Why this one:
+it costs one extra full-vector step at each end, which only the cost model needs to know about
+(auto then prefers the ring for large messages there); binary blocks save those bytes but need
+uneven block exchanges between differently sized sub-groups, far more code for the world sizes
+this project runs (<= 8, where the ring already wins on large messages). Folding also keeps one
+owner per reduced block, so results stay bitwise identical on every rank.
+
+Virtual ranks: v = i // 2 for the odd ranks i < 2e, v = i - e for ranks i >= 2e; even ranks below 2e
+sit out. Virtual rank v covers the real ranks 2v, 2v+1 (v < e) or v + e, so its block is the
+contiguous union of their chunks, which is what reduce-scatter and all-gather need.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dtjob.trainer.collectives.comm import Comm, balanced_bounds, segment_count, wait_all
+from dtjob.trainer.collectives.reduce_ops import Reduction
+
+
+class Fold:
+    """The power-of-two layout of an n-rank group (MPICH's fold of the first 2e ranks)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.p = 1 << (n.bit_length() - 1)
+        self.extra = n - self.p
+
+    def virtual(self, rank: int) -> int | None:
+        """Virtual rank, or None for an even rank below 2e that sits out."""
+        if rank < 2 * self.extra:
+            return rank // 2 if rank % 2 == 1 else None
+        return rank - self.extra
+
+    def real(self, v: int) -> int:
+        return 2 * v + 1 if v < self.extra else v + self.extra
+
+    def first_real(self, v: int) -> int:
+        return 2 * v if v < self.extra else v + self.extra
+
+    def block_bounds(self, bounds: list[int]) -> list[int]:
+        """Per-real-rank chunk offsets (n+1) -> per-virtual-rank block offsets (p+1)."""
+        return [bounds[self.first_real(v)] for v in range(self.p)] + [bounds[self.n]]
+
+
+def _exchange(
+    comm: Comm,
+    peer: int,
+    send: torch.Tensor,
+    recv: torch.Tensor,
+    reduction: Reduction | None,
+    scratch: torch.Tensor | None,
+) -> None:
+    """Swap regions with `peer`, segment by segment; reduce into `recv` if `reduction` is given.
+
+    Both ends cut their send and receive regions into the same number of segments, so segment j of
+    one side's send is segment j of the other's receive. The partner of a reduce is pipelined:
+    segment j is reduced while segment j+1 is still in flight.
+    """
+    k = segment_count(max(send.numel(), recv.numel()), comm.segment_elems(send.element_size()))
+    s_b = balanced_bounds(send.numel(), k)
+    r_b = balanced_bounds(recv.numel(), k)
+    target = recv if reduction is None else scratch
+    assert target is not None
+    sends = []
+    recvs = []
+    for j in range(k):
+        sw, rw = comm.post(
+            sends=[(send[s_b[j] : s_b[j + 1]], peer)], recvs=[(target[r_b[j] : r_b[j + 1]], peer)]
+        )
+        sends += sw
+        recvs.append(rw)
+    for j in range(k):
+        wait_all(recvs[j])
+        if reduction is not None:
+            reduction.combine(recv[r_b[j] : r_b[j + 1]], target[r_b[j] : r_b[j + 1]])
+    wait_all(sends)
+
+
+def halving_reduce_scatter(
+    comm: Comm, fold: Fold, vrank: int, buf: torch.Tensor, vbounds: list[int], reduction: Reduction
+) -> None:
+    """Recursive halving among the virtual ranks; afterwards block `vrank` holds the reduction."""
+    lo, hi = 0, fold.p
+    scratch = buf.new_empty(max(vbounds[fold.p // 2] - vbounds[0], vbounds[fold.p] - vbounds[fold.p // 2]))
+    mask = fold.p // 2
+    while mask >= 1:
+        mid = lo + mask
+        if vrank & mask:
+            keep, give = (mid, hi), (lo, mid)
+        else:
+            keep, give = (lo, mid), (mid, hi)
+        _exchange(
+            comm,
+            fold.real(vrank ^ mask),
+            buf[vbounds[give[0]] : vbounds[give[1]]],
+            buf[vbounds[keep[0]] : vbounds[keep[1]]],
+            reduction,
+            scratch,
+        )
+        lo, hi = keep
+        mask //= 2
+
+
+def doubling_all_gather(comm: Comm, fold: Fold, vrank: int, buf: torch.Tensor, vbounds: list[int]) -> None:
+    """Recursive doubling among the virtual ranks; block `vrank` valid before, all blocks after."""
+    mask = 1
+    while mask < fold.p:
+        partner = vrank ^ mask
+        mine = (vrank // mask) * mask
+        theirs = (partner // mask) * mask
+        _exchange(
+            comm,
+            fold.real(partner),
+            buf[vbounds[mine] : vbounds[mine + mask]],
+            buf[vbounds[theirs] : vbounds[theirs + mask]],
+            None,
+            None,
+        )
+        mask *= 2
+
+
+def _fold_in(comm: Comm, fold: Fold, buf: torch.Tensor, reduction: Reduction) -> int | None:
+    """Ranks 2i hand their whole vector to 2i+1 (i < e), which reduces it in. Returns the vrank."""
+    r = comm.rank
+    vrank = fold.virtual(r)
+    if r < 2 * fold.extra:
+        if vrank is None:
+            b = _segment_bounds(comm, buf)
+            wait_all(
+                [w for j in range(len(b) - 1) for w in comm.post(sends=[(buf[b[j] : b[j + 1]], r + 1)])[0]]
+            )
+        else:
+            _recv_reduce(comm, r - 1, buf, reduction)
+    return vrank
+
+
+def _segment_bounds(comm: Comm, buf: torch.Tensor) -> list[int]:
+    return balanced_bounds(buf.numel(), segment_count(buf.numel(), comm.segment_elems(buf.element_size())))
+
+
+def _recv_reduce(comm: Comm, peer: int, buf: torch.Tensor, reduction: Reduction) -> None:
+    """Receive the partner's whole vector segment by segment (as _fold_in sends it), reducing as it comes."""
+    scratch = buf.new_empty(buf.numel())
+    b = _segment_bounds(comm, buf)
+    recvs = [comm.post(recvs=[(scratch[b[j] : b[j + 1]], peer)])[1] for j in range(len(b) - 1)]
+    for j, works in enumerate(recvs):
+        wait_all(works)
+        reduction.combine(buf[b[j] : b[j + 1]], scratch[b[j] : b[j + 1]])
+
+
+def _unfold(comm: Comm, fold: Fold, region: tuple[int, int] | None, buf: torch.Tensor) -> None:
+    """Ranks 2i+1 hand the finished `region` of buf (everything if None) back to 2i (i < e)."""
+    r = comm.rank
+    if r >= 2 * fold.extra:
+        return
+    view = buf if region is None else buf[region[0] : region[1]]
+    if r % 2 == 1:
+        sw, _ = comm.post(sends=[(view, r - 1)])
+        wait_all(sw)
+    else:
+        _, rw = comm.post(recvs=[(view, r + 1)])
+        wait_all(rw)
+
+
+def reduce_scatter(comm: Comm, buf: torch.Tensor, bounds: list[int], reduction: Reduction) -> None:
+    """In place on the flat `buf`: afterwards chunk `comm.rank` holds the finished reduction."""
+    fold = Fold(comm.size)
+    vrank = _fold_in(comm, fold, buf, reduction)
+    if vrank is not None:
+        vbounds = fold.block_bounds(bounds)
+        halving_reduce_scatter(comm, fold, vrank, buf, vbounds, reduction)
+        reduction.finish(buf[vbounds[vrank] : vbounds[vrank + 1]], comm.size)
+    # An odd rank 2i+1 (i < e) owns chunks 2i and 2i+1; chunk 2i goes back to rank 2i.
+    mate = comm.rank - 1 if comm.rank % 2 == 1 else comm.rank
+    _unfold(comm, fold, (bounds[mate], bounds[mate + 1]), buf)
+
+
+def all_gather(comm: Comm, buf: torch.Tensor, bounds: list[int]) -> None:
+    """In place on the flat `buf`: chunk `comm.rank` valid before, every chunk after."""
+    fold = Fold(comm.size)
+    r = comm.rank
+    vrank = fold.virtual(r)
+    if r < 2 * fold.extra:  # 2i hands its chunk to 2i+1, which then speaks for both
+        mate = r - (r % 2)
+        chunk = buf[bounds[mate] : bounds[mate + 1]]
+        if vrank is None:
+            wait_all(comm.post(sends=[(chunk, r + 1)])[0])
+        else:
+            wait_all(comm.post(recvs=[(chunk, r - 1)])[1])
+    if vrank is not None:
+        doubling_all_gather(comm, fold, vrank, buf, fold.block_bounds(bounds))
+    _unfold(comm, fold, None, buf)
+
+
+def all_reduce(comm: Comm, buf: torch.Tensor, reduction: Reduction) -> None:
+    """Rabenseifner all-reduce of the flat `buf` in place."""
+    fold = Fold(comm.size)
+    vrank = _fold_in(comm, fold, buf, reduction)
+    if vrank is not None:
+        vbounds = balanced_bounds(buf.numel(), fold.p)
+        halving_reduce_scatter(comm, fold, vrank, buf, vbounds, reduction)
+        reduction.finish(buf[vbounds[vrank] : vbounds[vrank + 1]], comm.size)
+        doubling_all_gather(comm, fold, vrank, buf, vbounds)
+    _unfold(comm, fold, None, buf)
+
+
+def recursive_doubling_all_reduce(comm: Comm, buf: torch.Tensor, reduction: Reduction) -> None:
+    """Latency-optimal all-reduce for small messages: log2(p) full-vector swaps.
+
+    Both partners compute `lower OP upper` with the operands in that order, so every rank of a
+    pair holds the same bits after each step (this matters for NaN payloads and MAX/MIN of
+    signed zeros, where the operand order can show).
+    """
+    fold = Fold(comm.size)
+    vrank = _fold_in(comm, fold, buf, reduction)
+    if vrank is not None:
+        incoming = buf.new_empty(buf.numel())
+        mask = 1
+        while mask < fold.p:
+            partner = vrank ^ mask
+            sw, rw = comm.post(sends=[(buf, fold.real(partner))], recvs=[(incoming, fold.real(partner))])
+            wait_all(rw)
+            wait_all(sw)  # buf is overwritten next: the send must have left
+            if vrank < partner:
+                reduction.combine(buf, incoming)
+            else:
+                reduction.combine_into_second(incoming, buf)
+            mask *= 2
+        reduction.finish(buf, comm.size)
+    _unfold(comm, fold, None, buf)

@@ -1,0 +1,197 @@
+"""Which algorithm runs a call: explicit keyword > DTJOB_COLLECTIVE_ALGO > alpha-beta-gamma cost model.
+
+The cost model (Hockney's alpha-beta plus a gamma term for reduction, as in Thakur, Rabenseifner
+and Gropp, "Optimization of collective communication operations in MPICH", 2005):
+
+    alpha  seconds per message (wire latency plus our per-message Python and wake-up overhead)
+    beta   seconds per byte moved over one link
+    gamma  seconds per byte reduced, per dtype (bfloat16 adds are much slower than float32 on CPU)
+
+The pipelined algorithms cut a chunk into segments of `segment_bytes`; each segment costs one alpha.
+The constants are measured on the running group (calibration.py) and then identical on every rank,
+so every rank makes the same choice - a different choice on two ranks would deadlock.
+Everything in this module is a pure function of its arguments.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+
+ENV_VAR = "DTJOB_COLLECTIVE_ALGO"
+
+ALGORITHMS: dict[str, tuple[str, ...]] = {
+    "allreduce": ("ring", "hd", "rd"),
+    "reduce_scatter": ("ring", "hd"),
+    "allgather": ("ring", "hd"),
+    "broadcast": ("tree", "ring", "hd"),
+}
+
+_ALIASES = {
+    "allreduce": "allreduce",
+    "all_reduce": "allreduce",
+    "reduce_scatter": "reduce_scatter",
+    "reducescatter": "reduce_scatter",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "allgather": "allgather",
+    "all_gather": "allgather",
+    "all_gather_into_tensor": "allgather",
+    "broadcast": "broadcast",
+}
+
+
+@dataclass(frozen=True)
+class CostModel:
+    alpha: float
+    beta: float
+    gamma: dict[str, float] = field(default_factory=dict)  # dtype name ("float32") -> s/byte
+    segment_bytes: int = 1 << 20
+
+    def gamma_for(self, dtype_name: str) -> float:
+        if dtype_name in self.gamma:
+            return self.gamma[dtype_name]
+        return max(self.gamma.values(), default=self.beta)
+
+
+# Used when nothing was measured yet (unit tests, or calibration=False): loopback TCP on one host,
+# ~60 us per message through Python, ~2.5 GB/s per link, ~4 GB/s float32 adds.
+DEFAULT_COSTS = CostModel(alpha=60e-6, beta=0.4e-9, gamma={"float32": 0.25e-9})
+
+
+def _messages(nbytes: float, segment_bytes: int) -> int:
+    return max(1, math.ceil(nbytes / segment_bytes))
+
+
+def _fold(n: int) -> tuple[int, int]:
+    p = 1 << (n.bit_length() - 1)
+    return p, n - p
+
+
+def _move(m: CostModel, nbytes: float, segmented: bool = True) -> float:
+    """One message of nbytes over one link (cut into segments when `segmented`)."""
+    messages = _messages(nbytes, m.segment_bytes) if segmented else 1
+    return messages * m.alpha + nbytes * m.beta
+
+
+def _halving(m: CostModel, p: int, nbytes: float, gamma: float) -> float:
+    total, size = 0.0, nbytes
+    while size * p > nbytes and p > 1:  # log2(p) steps, each half the previous one
+        size /= 2
+        total += _move(m, size) + size * gamma
+    return total
+
+
+def predict(op: str, algorithm: str, nbytes: int, world_size: int, dtype_name: str, m: CostModel) -> float:
+    """Predicted seconds of one call of `op` with `algorithm` on `nbytes` (the full vector)."""
+    n = world_size
+    if n == 1 or nbytes == 0:
+        return 0.0
+    g = m.gamma_for(dtype_name)
+    chunk = nbytes / n
+    p, extra = _fold(n)
+    log_p = int(math.log2(p))
+    fold_reduce = (_move(m, nbytes) + nbytes * g) if extra else 0.0
+    if op == "allreduce":
+        if algorithm == "ring":
+            return 2 * (n - 1) * _move(m, chunk) + (n - 1) * chunk * g
+        if algorithm == "hd":
+            return (
+                fold_reduce
+                + _halving(m, p, nbytes, g)
+                + _halving(m, p, nbytes, 0.0)
+                + (_move(m, nbytes) if extra else 0.0)
+            )
+        if algorithm == "rd":
+            return (
+                fold_reduce
+                + log_p * (_move(m, nbytes, False) + nbytes * g)
+                + (_move(m, nbytes, False) if extra else 0.0)
+            )
+    if op == "reduce_scatter":
+        if algorithm == "ring":
+            return (n - 1) * (_move(m, chunk) + chunk * g)
+        if algorithm == "hd":
+            return fold_reduce + _halving(m, p, nbytes, g) + (_move(m, chunk) if extra else 0.0)
+    if op == "allgather":
+        if algorithm == "ring":
+            return (n - 1) * _move(m, chunk)
+        if algorithm == "hd":
+            return (
+                (_move(m, chunk) if extra else 0.0)
+                + _halving(m, p, nbytes, 0.0)
+                + (_move(m, nbytes) if extra else 0.0)
+            )
+    if op == "broadcast":
+        if algorithm == "tree":
+            return math.ceil(math.log2(n)) * _move(m, nbytes, False)
+        scatter = (n - 1) * _move(m, chunk, False)  # the root's sends share its link
+        if algorithm == "ring":
+            return scatter + predict("allgather", "ring", nbytes, n, dtype_name, m)
+        if algorithm == "hd":
+            return scatter + predict("allgather", "hd", nbytes, n, dtype_name, m)
+    raise ValueError(f"no cost formula for op={op!r} algorithm={algorithm!r}")
+
+
+def choose(op: str, nbytes: int, world_size: int, dtype_name: str, m: CostModel) -> str:
+    """The cheapest algorithm for this call; ties go to the first in ALGORITHMS[op]."""
+    candidates = ALGORITHMS[op]
+    return min(
+        candidates, key=lambda a: (predict(op, a, nbytes, world_size, dtype_name, m), candidates.index(a))
+    )
+
+
+def parse_override(text: str) -> dict[str, str]:
+    """Parse DTJOB_COLLECTIVE_ALGO, e.g. "allreduce:hd;reduce_scatter:ring" or just "ring".
+
+    A bare name applies to every op that has an algorithm of that name. Op names accept torch's
+    spellings too (all_reduce, reduce_scatter_tensor, all_gather_into_tensor).
+    """
+    choices: dict[str, str] = {}
+    for raw in text.replace(",", ";").split(";"):
+        item = raw.strip().lower()
+        if not item:
+            continue
+        if ":" not in item:
+            if not any(item in algos for algos in ALGORITHMS.values()):
+                valid = sorted({a for algos in ALGORITHMS.values() for a in algos})
+                raise ValueError(f"{ENV_VAR}: unknown algorithm {item!r}; expected one of {valid}")
+            for op, algos in ALGORITHMS.items():
+                if item in algos:
+                    choices[op] = item
+            continue
+        op_name, _, algo = (part.strip() for part in item.partition(":"))
+        canonical = _ALIASES.get(op_name)
+        if canonical is None:
+            raise ValueError(
+                f"{ENV_VAR}: unknown collective {op_name!r} in {raw.strip()!r}; "
+                f"expected one of {sorted(ALGORITHMS)}"
+            )
+        if algo not in ALGORITHMS[canonical] and algo != "auto":
+            valid_here = [*ALGORITHMS[canonical], "auto"]
+            raise ValueError(
+                f"{ENV_VAR}: {canonical} has no algorithm {algo!r}; expected one of {valid_here}"
+            )
+        if algo != "auto":
+            choices[canonical] = algo
+    return choices
+
+
+_parsed: tuple[str, dict[str, str]] = ("", {})
+
+
+def env_override(op: str) -> str | None:
+    """The algorithm DTJOB_COLLECTIVE_ALGO forces for `op`, if any (parsed once per value)."""
+    global _parsed
+    text = os.environ.get(ENV_VAR, "")
+    if text != _parsed[0]:
+        _parsed = (text, parse_override(text))
+    forced: str | None = _parsed[1].get(op)
+    return forced
+
+
+def validate_keyword(op: str, algorithm: str) -> None:
+    if algorithm != "auto" and algorithm not in ALGORITHMS[op]:
+        raise ValueError(
+            f"algorithm={algorithm!r} is not valid for {op}; use one of {['auto', *ALGORITHMS[op]]}"
+        )
