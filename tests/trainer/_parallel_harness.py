@@ -1,0 +1,240 @@
+"""Run parallel-strategy cases in real multi-process gloo groups and compare with one process.
+
+Spawning a process group costs seconds on this machine, so each `run_world(world_size, cases)`
+spawns the group once and runs many cases in it. A case is a plain dict (picklable):
+
+    name, model ("gpt" | "mlp"), config (ParallelConfig kwargs), steps, batch (global batch size),
+    optimizer ("adamw" | "sgd"), lr, grad_clip, measure ("memory" | "activations" | None)
+
+Every rank returns, per case: the loss of each step, the model shards it reports through
+`state_shards()` (so the final parameters are assembled from what a checkpoint would write) and
+any measurement. `reference(case)` trains the same model on the same global batches in this
+process.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import socket
+import tempfile
+import traceback
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from dtjob.trainer.models import GPT, MLP, GPTConfig, MLPConfig
+
+GPT_SMALL = {"vocab": 32, "width": 16, "depth": 2, "heads": 2, "seq_len": 8}
+MLP_SMALL = {"inputs": 12, "hidden": 24, "classes": 6, "depth": 4}
+
+
+def build_model(case: dict[str, Any]) -> nn.Module:
+    torch.manual_seed(case.get("seed", 0))
+    if case.get("model", "gpt") == "gpt":
+        return GPT(GPTConfig(**{**GPT_SMALL, **case.get("model_kwargs", {})}))
+    return MLP(MLPConfig(**{**MLP_SMALL, **case.get("model_kwargs", {})}))
+
+
+def make_optimizer(case: dict[str, Any], params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    if case.get("optimizer", "adamw") == "sgd":
+        return torch.optim.SGD(params, lr=case.get("lr", 0.1), momentum=0.9)
+    # eps=1e-5, not 1e-8: the attention's key bias has an analytically zero gradient, and with a
+    # tiny eps Adam turns its rounding noise (which depends on summation order) into full-size
+    # steps; even one process splitting its batch differently then drifts 1e-4 from itself.
+    return torch.optim.AdamW(params, lr=case.get("lr", 1e-2), weight_decay=0.01, eps=1e-5)
+
+
+def global_batch(case: dict[str, Any], step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The samples of global step `step`, the same whatever the world size."""
+    g = torch.Generator().manual_seed(1000 + step)
+    n = case.get("batch", 24)
+    if case.get("model", "gpt") == "gpt":
+        cfg = {**GPT_SMALL, **case.get("model_kwargs", {})}
+        tokens = torch.randint(0, cfg["vocab"], (n, cfg["seq_len"] + 1), generator=g)
+        return tokens[:, :-1], tokens[:, 1:]
+    cfg = {**MLP_SMALL, **case.get("model_kwargs", {})}
+    return torch.randn(n, cfg["inputs"], generator=g), torch.randint(0, cfg["classes"], (n,), generator=g)
+
+
+def reference(case: dict[str, Any]) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Single-process training on the whole global batch: losses per step and final parameters.
+
+    Cached: many cases (every algorithm, accumulation, checkpointing) share one reference.
+    """
+    keys = ("model", "model_kwargs", "optimizer", "lr", "steps", "batch", "seed")
+    key = repr(([case.get(k) for k in keys], case.get("config", {}).get("grad_clip")))
+    if key not in _REFERENCES:
+        _REFERENCES[key] = _train_reference(case)
+    return _REFERENCES[key]
+
+
+_REFERENCES: dict[str, tuple[list[float], dict[str, torch.Tensor]]] = {}
+
+
+def _train_reference(case: dict[str, Any]) -> tuple[list[float], dict[str, torch.Tensor]]:
+    from dtjob.trainer.parallel.common import cross_entropy_loss
+
+    model = build_model(case)
+    opt = make_optimizer(case, list(model.parameters()))
+    clip = case.get("config", {}).get("grad_clip")
+    losses = []
+    for step in range(case.get("steps", 10)):
+        x, y = global_batch(case, step)
+        opt.zero_grad()
+        loss = cross_entropy_loss(model(x), y)
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def live_tensor_bytes() -> int:
+    """Bytes of every distinct tensor storage reachable from Python objects right now."""
+    gc.collect()
+    seen: set[int] = set()
+    total = 0
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
+            storage = obj.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr and ptr not in seen:
+                seen.add(ptr)
+                total += storage.nbytes()
+    return total
+
+
+def _run_case(case: dict[str, Any]) -> dict[str, Any]:
+    from dtjob.trainer.parallel import ParallelConfig, parallelize
+
+    baseline = live_tensor_bytes() if case.get("measure") == "memory" else 0
+    model = build_model(case)
+    n_params = sum(p.numel() for p in model.parameters())
+    config = ParallelConfig(**case.get("config", {}))
+    strategy = parallelize(model, config, lambda params: make_optimizer(case, params))
+    del model
+    losses = []
+    memory: list[int] = []
+    for step in range(case.get("steps", 10)):
+        x, y = global_batch(case, step)
+        rows = x.shape[0] // strategy.data_parallel_size
+        lo = strategy.data_parallel_rank * rows
+        losses.append(strategy.train_step(x[lo : lo + rows], y[lo : lo + rows]))
+        del x, y
+        if case.get("measure") == "memory":
+            memory.append(live_tensor_bytes() - baseline)
+    shards = {
+        k: (s.global_shape, s.offset, s.local.detach().clone())
+        for k, s in strategy.state_shards().items()
+        if k.startswith("model.")
+    }
+    result: dict[str, Any] = {"losses": losses, "shards": shards, "n_params": n_params, "memory": memory}
+    peak = getattr(strategy, "peak_live_microbatches", None)
+    if peak is not None:
+        result["peak_live_microbatches"] = peak
+    return result
+
+
+def _worker(rank: int, world_size: int, port: int, cases: list[dict[str, Any]], out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    results: dict[str, Any] = {}
+    for case in cases:
+        try:
+            results[case["name"]] = _run_case(case)
+        except Exception:
+            results[case["name"]] = {"error": traceback.format_exc()}
+            break  # the group may be out of step now; report what happened
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_world(world_size: int, cases: list[dict[str, Any]], timeout: float = 300) -> list[dict[str, Any]]:
+    """Run every case in one spawned gloo group; returns each rank's results."""
+    names = [c["name"] for c in cases]
+    assert len(set(names)) == len(names), "case names must be unique"
+    with tempfile.TemporaryDirectory() as out_dir:
+        ctx = mp.start_processes(
+            _worker,
+            args=(world_size, free_port(), cases, out_dir),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
+        )
+        import time
+
+        deadline = time.monotonic() + timeout
+        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    p.kill()
+                raise TimeoutError(f"world of {world_size} did not finish within {timeout}s")
+        return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world_size)]
+
+
+def assemble(rank_results: list[dict[str, Any]], case: str) -> dict[str, torch.Tensor]:
+    """Global parameters from every rank's shards; asserts each element is written exactly once."""
+    tensors: dict[str, torch.Tensor] = {}
+    counts: dict[str, torch.Tensor] = {}
+    for result in rank_results:
+        for key, (shape, offset, local) in result[case]["shards"].items():
+            name = key.removeprefix("model.")
+            if name not in tensors:
+                numel = 1
+                for d in shape:
+                    numel *= d
+                tensors[name] = torch.zeros(numel, dtype=local.dtype)
+                counts[name] = torch.zeros(numel, dtype=torch.int32)
+            tensors[name][offset : offset + local.numel()] = local
+            counts[name][offset : offset + local.numel()] += 1
+    for name, c in counts.items():
+        assert bool((c == 1).all()), f"{case}: {name} elements covered {c.min()}..{c.max()} times, not once"
+    shapes = {k.removeprefix("model."): s for r in rank_results for k, (s, _, _) in r[case]["shards"].items()}
+    return {n: t.view(shapes[n]) for n, t in tensors.items()}
+
+
+def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+def check_against_reference(
+    rank_results: list[dict[str, Any]], case: dict[str, Any], tolerance: float = 1e-5, per_tensor: bool = True
+) -> None:
+    """Losses of every step and final parameters within `tolerance` (relative) of one process.
+
+    per_tensor=False compares the whole parameter vector at once (for lossy options, where tiny
+    zero-initialised biases have large relative but negligible absolute differences).
+    """
+    name = case["name"]
+    for r, result in enumerate(rank_results):
+        assert "error" not in result.get(name, {}), f"rank {r}: {result[name]['error']}"
+    ref_losses, ref_params = reference(case)
+    losses = [r[name]["losses"] for r in rank_results]
+    for r, rank_losses in enumerate(losses):
+        assert rank_losses == losses[0], f"{name}: rank {r} losses {rank_losses} differ from rank 0's"
+    assert len(losses[0]) == len(ref_losses) >= 10
+    for step, (got, want) in enumerate(zip(losses[0], ref_losses, strict=True)):
+        assert abs(got - want) <= tolerance * abs(want), f"{name}: step {step} loss {got} vs reference {want}"
+    params = assemble(rank_results, name)
+    assert set(params) == set(ref_params), f"{name}: parameter names differ"
+    if not per_tensor:
+        got_all = torch.cat([params[n].reshape(-1) for n in ref_params])
+        want_all = torch.cat([p.reshape(-1) for p in ref_params.values()])
+        diff = relative_difference(got_all, want_all)
+        assert diff < tolerance, f"{name}: parameters relative difference {diff:.2e}"
+        return
+    for n, ref in ref_params.items():
+        diff = relative_difference(params[n], ref)
+        assert diff < tolerance, f"{name}: parameter {n} relative difference {diff:.2e}"

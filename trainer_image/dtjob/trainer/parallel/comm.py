@@ -1,0 +1,106 @@
+"""How the strategies move data: dtjob's collectives (ring / hd / auto) or torch's native ones.
+
+`Comm` binds a process group and an algorithm. Every strategy talks only to a `Comm`, so one
+config field (`ParallelConfig.collective`) swaps the whole data path:
+
+- "native": `torch.distributed` collectives on the group (gloo here), asynchronous via async_op.
+- "ring" / "hd" / "auto": `dtjob.trainer.collectives` with `algorithm=` that value, also
+  asynchronous via async_op (they run a group's collectives in call order on one worker thread).
+
+All sums are averaged by the strategies themselves (divide after SUM), so the result does not
+depend on which ops an algorithm supports.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+ALGORITHMS = ("native", "auto", "ring", "hd")
+
+
+class Handle(Protocol):
+    def wait(self) -> Any: ...
+
+
+class _Done:
+    """A handle for work that already finished."""
+
+    def wait(self) -> None:
+        return None
+
+
+class Comm:
+    """Collectives over one process group with one algorithm."""
+
+    def __init__(self, algorithm: str = "native", group: dist.ProcessGroup | None = None) -> None:
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"collective must be one of {ALGORITHMS}, got {algorithm!r}")
+        self.algorithm = algorithm
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        self._ops: Any = dist
+        self._extra: dict[str, str] = {}
+        if algorithm != "native":
+            from dtjob.trainer import collectives  # imported lazily: only needed for ring/hd/auto
+
+            self._ops = collectives
+            self._extra = {"algorithm": algorithm}
+
+    def global_rank(self, group_rank: int) -> int:
+        """The default-group rank of this group's member `group_rank`."""
+        return dist.get_global_rank(self.group, group_rank) if self.group is not None else group_rank
+
+    @staticmethod
+    def _handle(work: Any) -> Handle:
+        return work if work is not None else _Done()
+
+    def all_reduce_sum(self, tensor: torch.Tensor, async_op: bool = False) -> Handle:
+        """Sum `tensor` in place over the group."""
+        if self.size == 1:
+            return _Done()
+        return self._handle(
+            self._ops.all_reduce(
+                tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op, **self._extra
+            )
+        )
+
+    def reduce_scatter_sum(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Handle:
+        """output (len n) = this rank's n-element chunk of the sum of every rank's input (len n * size)."""
+        if self.size == 1:
+            output.copy_(input)
+            return _Done()
+        return self._handle(
+            self._ops.reduce_scatter_tensor(
+                output, input, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op, **self._extra
+            )
+        )
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Handle:
+        """output (len n * size) = every rank's input (len n) in rank order."""
+        if self.size == 1:
+            output.copy_(input)
+            return _Done()
+        return self._handle(
+            self._ops.all_gather_into_tensor(
+                output, input, group=self.group, async_op=async_op, **self._extra
+            )
+        )
+
+    def broadcast(self, tensor: torch.Tensor, src_group_rank: int = 0, async_op: bool = False) -> Handle:
+        """Copy group member `src_group_rank`'s tensor to every member, in place."""
+        if self.size == 1:
+            return _Done()
+        src = self.global_rank(src_group_rank)
+        return self._handle(
+            self._ops.broadcast(tensor, src=src, group=self.group, async_op=async_op, **self._extra)
+        )
+
+    def all_reduce_mean_scalar(self, value: float) -> float:
+        """The mean of a Python float over the group (fp64 on the wire)."""
+        t = torch.tensor([value], dtype=torch.float64)
+        self.all_reduce_sum(t)
+        return float(t.item()) / self.size
