@@ -31,8 +31,8 @@ and the next older checkpoint is tried.
 
 Writing is atomic: ranks write into `.staging-step-<step>-g<generation>/`, exchange their files'
 indexes and checksums, then rank 0 writes the manifest, fsyncs, and renames the staging directory
-to `step-<step>/`; only after that rename does any rank return. The newest `--keep-checkpoints`
-step directories are kept, older ones deleted.
+to `step-<step>/`; only after that rename does any rank return. Then rank 0 keeps the newest
+`--keep-checkpoints` step directories that have a manifest and deletes every other one.
 
 Loading at any world size: rank 0 picks the newest valid checkpoint and broadcasts its manifest;
 each rank's strategy then asks a `FetchRange` for the global ranges its own shards need, and the
@@ -246,8 +246,14 @@ def find_latest_valid(root: Path) -> tuple[Path, dict[str, Any]] | None:
 
 
 def apply_retention(root: Path, keep: int) -> list[Path]:
-    """Delete all but the newest `keep` step directories; return what was deleted."""
-    doomed = [d for _step, d in list_step_dirs(root)[keep:]]
+    """Keep the newest `keep` step directories that have a manifest; delete every other one.
+
+    A directory without a manifest can never load, so it is not kept whatever its step. The
+    checksums are not re-verified here (that would read every checkpoint after every save).
+    """
+    with_manifest = [d for _step, d in list_step_dirs(root) if (d / MANIFEST).is_file()]
+    kept = set(with_manifest[:keep])
+    doomed = [d for _step, d in list_step_dirs(root) if d not in kept]
     for d in doomed:
         shutil.rmtree(d, ignore_errors=True)
     return doomed

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from dtjob.trainer import build, elastic
 from dtjob.trainer.checkpoint import Checkpointer, Loaded
+from dtjob.trainer.comm_metrics import instrument_comm
 from dtjob.trainer.config import ConfigError, TrainerConfig
 from dtjob.trainer.data import Corpus, DataError, GlobalBatches
 from dtjob.trainer.metrics import TrainerMetrics
@@ -182,6 +183,7 @@ class Trainer:
         c = self.c
         elastic.init_process_group(c)
         self._check_same_corpus()
+        instrument_comm(self.metrics)
         strategy = parallelize(build.build_model(c), build.parallel_config(c), build.optimizer_factory(c))
         self.strategy = strategy
         start = self._resume(strategy)

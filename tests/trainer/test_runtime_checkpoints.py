@@ -1,0 +1,60 @@
+"""Checkpoints on disk, written by a real 2-process gang: retention keeps exactly K, and a truncated,
+a flipped-byte and a manifest-less checkpoint are each skipped for the previous valid one."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from dtjob.trainer import checkpoint as ckpt
+from tests.trainer.runtime_gang import TINY_GPT, checkpoint_steps, run
+
+pytestmark = pytest.mark.slow
+
+ARGS = [
+    *TINY_GPT,
+    "--global-batch-size", "4",
+    "--checkpoint-every", "2",
+    "--keep-checkpoints", "3",
+    "--collective", "native",
+]  # fmt: skip
+
+
+def test_retention_and_fallback_past_damaged_checkpoints(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    first = run(2, [*ARGS, "--steps", "8", "--checkpoint-dir", str(root)], tmp_path, "first")
+    assert checkpoint_steps(root) == [4, 6, 8], "retention must keep exactly the newest 3"
+    manifest = json.loads((root / "step-00000008" / "manifest.json").read_text())
+    assert (manifest["step"], manifest["world_size"]) == (8, 2)
+    assert manifest["data"]["next_step"] == 9 and manifest["schedule"]["total_steps"] == 8
+    assert sorted(manifest["files"]) == ["rank-00000.pt", "rank-00001.pt"]
+    assert any(key.startswith("optim.") for key in manifest["tensors"])
+    assert not list(root.glob(".staging-*")), "staging directories must not outlive a save"
+
+    # Damage the three newest candidates, each differently.
+    flipped = root / "step-00000008" / "rank-00001.pt"
+    data = bytearray(flipped.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    flipped.write_bytes(bytes(data))
+    truncated = root / "step-00000006" / "rank-00000.pt"
+    truncated.write_bytes(truncated.read_bytes()[:-100])
+    shutil.copytree(root / "step-00000004", root / "step-00000010")
+    (root / "step-00000010" / "manifest.json").unlink()
+
+    second = run(2, [*ARGS, "--steps", "10", "--checkpoint-dir", str(root)], tmp_path, "second")
+    warnings = second.stderr(0)
+    for name, reason in [("10", "no manifest.json"), ("8", "sha256 mismatch"), ("6", "bytes, manifest says")]:
+        assert f"skipping checkpoint {root}/step-000000{name.zfill(2)}: " in warnings, warnings
+        assert reason in warnings
+    resumed = {s["step"]: s["loss"] for s in second.steps()}
+    assert sorted(resumed) == [5, 6, 7, 8, 9, 10], "must resume after the newest valid checkpoint, step 4"
+    original = {s["step"]: s["loss"] for s in first.steps()}
+    for step in (5, 6, 7, 8):  # same world size: the very same numbers
+        assert resumed[step] == pytest.approx(original[step], rel=1e-6)
+
+    assert checkpoint_steps(root) == [6, 8, 10]
+    for step in (6, 8, 10):
+        ckpt.verify(root / ckpt.step_dir_name(step))  # the damaged ones were rewritten whole

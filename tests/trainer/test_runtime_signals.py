@@ -1,0 +1,100 @@
+"""Stopping and failing: SIGTERM checkpoints and exits 75 (and the metrics endpoint tells the
+world meanwhile), a lost peer fails the survivors instead of hanging, and a worker of another
+generation refuses to join. Real `python -m dtjob.trainer` gangs over gloo on localhost."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+
+from tests.trainer.runtime_gang import (
+    TINY_GPT,
+    checkpoint_steps,
+    free_port_run,
+    launch,
+    run,
+    scrape,
+    wait_for,
+)
+
+pytestmark = pytest.mark.slow
+
+# --steps is far beyond what the test lets run: these gangs are stopped from outside.
+ENDLESS = [*TINY_GPT, "--global-batch-size", "4", "--steps", "100000", "--collective", "native"]
+
+
+def _metrics_at_step(port: int, step: int) -> dict[str, float]:
+    seen: dict[str, float] = {}
+
+    def ready() -> bool:
+        page = scrape(port)
+        if page is None:
+            return False
+        seen.clear()
+        seen.update(page)
+        return (
+            page.get("dtjob_trainer_step", 0) >= step
+            and page.get("dtjob_trainer_last_checkpoint_step", 0) > 0
+        )
+
+    wait_for(ready, f"metrics on port {port} to reach step {step}")
+    return seen
+
+
+def test_sigterm_checkpoints_exits_75_and_resume_repeats_no_step(tmp_path: Path) -> None:
+    checkpoints = tmp_path / "ckpt"
+    port = free_port_run(2)
+    args = [*ENDLESS, "--checkpoint-dir", str(checkpoints), "--checkpoint-every", "3"]
+    gang = launch(2, [*args, "--metrics-port", str(port)], tmp_path, "first", generations=[4, 4])
+    try:
+        m = _metrics_at_step(port, 4)
+        assert m["dtjob_trainer_world_size"] == 2 and m["dtjob_trainer_generation"] == 4
+        assert m["dtjob_trainer_loss"] > 0 and m["dtjob_trainer_samples_per_second"] > 0
+        assert m["dtjob_trainer_last_checkpoint_step"] % 3 == 0
+        assert m["dtjob_trainer_last_checkpoint_timestamp_seconds"] > 1.7e9
+        assert m["dtjob_trainer_checkpoint_save_seconds"] > 0
+        all_reduce_bytes = [v for k, v in m.items() if k.startswith("dtjob_trainer_collective_bytes_total{")]
+        assert sum(all_reduce_bytes) > 0, sorted(m)
+        rank1 = scrape(port + 1)  # LOCAL_RANK 1 serves on the next port
+        assert rank1 is not None and rank1["dtjob_trainer_rank"] == 1
+
+        gang.signal(1, signal.SIGTERM)  # one rank only: the gang must agree to stop together
+        codes = gang.wait()
+    finally:
+        gang.kill()
+    assert codes == [75, 75], gang.stderr()
+    steps = [s["step"] for s in gang.steps()]
+    stopped_at = steps[-1]
+    assert steps == list(range(1, stopped_at + 1))
+    assert checkpoint_steps(checkpoints)[-1] == stopped_at, "no checkpoint at the step it stopped after"
+
+    finish = [a if a != "100000" else str(stopped_at + 3) for a in args]
+    resumed = run(2, finish, tmp_path, "second")
+    assert [s["step"] for s in resumed.steps()] == [stopped_at + 1, stopped_at + 2, stopped_at + 3]
+
+
+def test_lost_peer_makes_the_survivor_fail_instead_of_hang(tmp_path: Path) -> None:
+    gang = launch(2, [*ENDLESS, "--collective-timeout", "20"], tmp_path, "lost")
+    try:
+        wait_for(lambda: len(gang.steps()) >= 3, "three steps")
+        gang.procs[1].kill()
+        # The collective timeout is 20 s; the wait allows for a slow, shared machine on top.
+        code = gang.procs[0].wait(timeout=90)
+    finally:
+        gang.kill()
+    assert code not in (0, 75), gang.stderr(0)
+    assert "rank 0 failed" in gang.stderr(0)
+
+
+def test_worker_of_an_older_generation_cannot_join(tmp_path: Path) -> None:
+    gang = launch(2, [*ENDLESS, "--rendezvous-timeout", "60"], tmp_path, "stale", generations=[5, 4])
+    try:
+        code = gang.procs[1].wait(timeout=90)
+    finally:
+        gang.kill()
+    assert code == 3, gang.stderr(1)
+    last_line = gang.stderr(1).strip().splitlines()[-1]
+    assert "DTJOB_GENERATION=4" in last_line and "generation 5" in last_line
+    assert gang.steps() == []
