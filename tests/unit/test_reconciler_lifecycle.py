@@ -35,7 +35,7 @@ def test_new_job_starts_generation_zero_with_service_first_then_every_rank() -> 
     assert status["generation"] == 0 and status["restarts"] == 0 and status["replicas"] == 4
     assert status["selector"] == "training.dtjob.io/job-name=gpt"
     assert status["startTime"] == to_rfc3339(at(5))
-    assert isinstance(actions[1], CreateService)
+    assert isinstance(actions[2], CreateService), "status, its event, then the Service before any pod"
     pods = creates(actions)
     assert [p.name for p in pods] == [f"gpt-worker-{r}" for r in range(4)]
     assert env_of(pods[3].manifest)["RANK"] == "3"

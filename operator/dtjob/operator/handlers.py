@@ -8,12 +8,14 @@ as soon as the API server reports the change.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
 from typing import Any
 
 import kopf
+from kubernetes.client.rest import ApiException
 
 from dtjob.operator.jobview import GROUP, LABEL_JOB, PLURAL, VERSION
 from dtjob.operator.kube import Kube
@@ -65,7 +67,12 @@ class JobReconciler:
             self.metrics.job_phase(namespace, name, None)
             return
         actions = reconcile(self.kube.observe(job))
-        self.kube.execute(job, actions)
+        try:
+            self.kube.execute(job, actions)
+        except ApiException as e:
+            # Level-triggered: the next trigger (at the latest the timer) observes again and
+            # decides again, so a failed call needs a log line, not a retry of its own.
+            log.warning("%s/%s: %s %s: %s", namespace, name, e.status, e.reason, _message(e))
         phase = (job.get("status") or {}).get("phase")
         for action in actions:
             if hasattr(action, "status") and "phase" in action.status:
@@ -75,6 +82,13 @@ class JobReconciler:
 
     def forget(self, namespace: str, name: str) -> None:
         self.metrics.job_phase(namespace, name, None)
+
+
+def _message(error: ApiException) -> str:
+    try:
+        return str(json.loads(error.body or "{}").get("message", error.body))
+    except ValueError:
+        return str(error.body)
 
 
 def build_registry(reconciler: JobReconciler, interval: float) -> kopf.OperatorRegistry:
@@ -89,6 +103,12 @@ def build_registry(reconciler: JobReconciler, interval: float) -> kopf.OperatorR
         settings.posting.enabled = False
         # Sync handlers run in this many threads: one pass per job at a time, many jobs at once.
         settings.execution.max_workers = 16
+
+    @kopf.on.login(registry=registry)
+    def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+        # kopf's own credentials, from the same kubeconfig / service account as our client
+        # (a custom registry does not inherit kopf's default login handlers).
+        return kopf.login_via_client(**kwargs)
 
     @kopf.timer(GROUP, VERSION, PLURAL, interval=interval, registry=registry)
     def job_timer(namespace: str | None, name: str, **_: Any) -> None:

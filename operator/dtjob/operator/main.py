@@ -54,6 +54,10 @@ def main(argv: list[str]) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if not args.verbose:
+        # kopf logs every handler call at INFO; ours say what changed.
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+        logging.getLogger("urllib3").setLevel(logging.ERROR)
     # kopf, kubernetes and prometheus-client are the [operator] extra: imported only here.
     import kopf
     from prometheus_client import start_http_server

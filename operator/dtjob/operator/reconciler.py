@@ -299,13 +299,14 @@ def _copy_status(status: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _finish(p: _Pass) -> list[Action]:
-    """Prepend the status patch (when anything changed) to the actions, then the events."""
+    """The status patch (when anything changed), then the events, then the other actions."""
     before = p.job.status
     changed = {k: v for k, v in p.status.items() if before.get(k) != v}
     if changed.get("conditions") == [] and not before.get("conditions"):
         changed.pop("conditions")
     head: list[Action] = [PatchStatus(changed)] if changed else []
-    return [*head, *p.actions, *p.events]
+    # Events right after the status they explain: a later action failing must not swallow them.
+    return [*head, *p.events, *p.actions]
 
 
 def _start(p: _Pass) -> None:
