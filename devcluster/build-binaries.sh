@@ -89,6 +89,10 @@ build_helm() {
   mv "$helm_bin/helm.tmp" "$helm_bin/helm"
 }
 
+# One build at a time per cache: a second caller waits here, then finds the binaries cached.
+mkdir -p "$cache"
+exec 9>"$cache/build.lock"
+flock 9
 missing "$etcd_bin" etcd && build_etcd
 missing "$helm_bin" helm && build_helm
 missing "$k8s_bin" "${k8s_tools[@]}" && build_k8s

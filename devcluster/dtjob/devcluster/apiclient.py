@@ -3,6 +3,7 @@ over the standard library, with the admin client certificate."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import ssl
 import urllib.error
@@ -33,16 +34,28 @@ class ApiClient:
         status, body = self.get("/readyz")
         return status == 200 and body.strip() == "ok"
 
-    def node_ready(self) -> dict[str, bool]:
-        """Node name -> whether its Ready condition is True ({} when the server does not answer)."""
+    def node_ready(self, since: float | None = None) -> dict[str, bool]:
+        """Node name -> whether its Ready condition is True ({} when the server does not answer).
+        With `since` (a time.time()), the condition's lastHeartbeatTime must also be no older."""
         status, body = self.get("/api/v1/nodes")
         if status != 200:
             return {}
         nodes: list[dict[str, Any]] = json.loads(body).get("items", [])
         return {
-            n["metadata"]["name"]: any(
-                c.get("type") == "Ready" and c.get("status") == "True"
-                for c in n.get("status", {}).get("conditions", [])
-            )
+            n["metadata"]["name"]: any(_ready(c, since) for c in n.get("status", {}).get("conditions", []))
             for n in nodes
         }
+
+
+def _ready(condition: dict[str, Any], since: float | None) -> bool:
+    if condition.get("type") != "Ready" or condition.get("status") != "True":
+        return False
+    if since is None:
+        return True
+    stamp = condition.get("lastHeartbeatTime") or ""
+    try:
+        beat = datetime.datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.UTC)
+    except ValueError:
+        return False
+    # Kubernetes timestamps have whole seconds: compare against `since` rounded down.
+    return beat.timestamp() >= int(since)

@@ -145,7 +145,7 @@ def up(layout: Layout, requested: dict[str, object], timeout: float = COMPONENT_
         for d in (layout.logs, layout.pids, layout.nodes):
             d.mkdir(parents=True, exist_ok=True)
         controlplane.ensure_pki(layout)
-        network.ensure_bridge(layout.root / "ip_forward.saved")
+        network.ensure_bridge(layout.bridge_owner, layout.saved_ip_forward)
         layout.cluster_file.write_text(json.dumps(asdict(config)) + "\n")
 
         started: list[str] = []
@@ -186,12 +186,15 @@ def _reset_logs(layout: Layout) -> None:
                 log.unlink()
 
 
-def _wait_nodes_ready(layout: Layout, names: list[str], timeout: float) -> None:
+def _wait_nodes_ready(layout: Layout, names: list[str], timeout: float, since: float | None = None) -> None:
+    """Waits until every node in `names` is Ready; with `since` (a time.time()), only a Ready
+    condition heartbeat at or after it counts, so a restarted node is not taken for Ready on the
+    strength of the status its previous nodelet posted."""
     client = ApiClient(layout)
     deadline = time.monotonic() + timeout
     ready: dict[str, bool] = {}
     while time.monotonic() < deadline:
-        ready = client.node_ready()
+        ready = client.node_ready(since)
         if all(ready.get(n) for n in names):
             return
         for name in names:
@@ -233,7 +236,7 @@ def down(layout: Layout) -> int:
             if pid is not None:
                 processes.stop(pid)
             layout.pid_file(component).unlink(missing_ok=True)
-        network.delete_bridge(layout.root / "ip_forward.saved")
+        network.delete_bridge(layout.bridge_owner, layout.saved_ip_forward)
         leftovers = list(processes.find_by_marker(marker(layout)))
         for pid in leftovers:
             processes.kill(pid)
@@ -323,7 +326,9 @@ def node_start(layout: Layout, name: str, timeout: float = NODES_TIMEOUT) -> int
             print(f"devcluster: {name} is already running")
             return 0
         controlplane.ensure_node_pki(layout, name)
+        network.ensure_bridge(layout.bridge_owner, layout.saved_ip_forward)
+        since = time.time()
         nodes.start(layout, name, config.shape)
-        _wait_nodes_ready(layout, [name], timeout)
+        _wait_nodes_ready(layout, [name], timeout, since)
     print(f"devcluster: started {name}; it is Ready")
     return 0

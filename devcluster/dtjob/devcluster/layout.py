@@ -20,9 +20,10 @@ from pathlib import Path
 
 DEFAULT_STATE_DIR = Path("/var/tmp/dtjob-devcluster")
 
-# Ports: etcd is moved off its defaults (2379/2380) so a developer's own etcd does not clash.
-ETCD_CLIENT_PORT = 23790
-ETCD_PEER_PORT = 23800
+# Ports: etcd is moved off its defaults (2379/2380) so a developer's own etcd does not clash
+# (23790 is taken by other helpers' throw-away API servers on this machine).
+ETCD_CLIENT_PORT = 23379
+ETCD_PEER_PORT = 23380
 APISERVER_PORT = 6443
 CONTROLLER_MANAGER_PORT = 10257
 SCHEDULER_PORT = 10259
@@ -100,6 +101,14 @@ class Layout:
     @property
     def nodes(self) -> Path:
         return self.root / "nodes"
+
+    @property
+    def bridge_owner(self) -> Path:
+        return self.root / "bridge.owner"
+
+    @property
+    def saved_ip_forward(self) -> Path:
+        return self.root / "ip_forward.saved"
 
     @property
     def lock_file(self) -> Path:

@@ -37,10 +37,12 @@ def bridge_addresses(name: str = BRIDGE) -> list[str]:
     return [f"{a['local']}/{a['prefixlen']}" for link in json.loads(out) for a in link.get("addr_info", [])]
 
 
-def ensure_bridge(saved_ip_forward: Path) -> None:
+def ensure_bridge(owner_file: Path, saved_ip_forward: Path) -> None:
     """Creates (or repairs) the bridge with its address, brings it up, and turns on IP forwarding
     (pods of different nodes sit in different /24s and route through the host); the previous
-    ip_forward value is saved so `down` can restore it."""
+    ip_forward value is saved so `down` can restore it. `owner_file` records that this state
+    directory's cluster uses the bridge: `down` of another state directory leaves it alone."""
+    owner_file.write_text(f"{BRIDGE}\n")
     if not bridge_exists():
         _ip("link", "add", BRIDGE, "type", "bridge")
     wanted = f"{BRIDGE_ADDRESS}/{BRIDGE_PREFIX_LEN}"
@@ -62,8 +64,11 @@ def bridge_ports(name: str = BRIDGE) -> list[str]:
     return [link["ifname"] for link in json.loads(result.stdout)]
 
 
-def delete_bridge(saved_ip_forward: Path) -> None:
-    """Deletes leftover veths on the bridge, the bridge, and restores ip_forward."""
+def delete_bridge(owner_file: Path, saved_ip_forward: Path) -> None:
+    """Deletes leftover veths on the bridge, the bridge, and restores ip_forward - only when this
+    state directory's cluster owns the bridge (see ensure_bridge)."""
+    if not owner_file.exists():
+        return
     if bridge_exists():
         for port in bridge_ports():
             _ip("link", "del", port, check=False)
@@ -71,3 +76,4 @@ def delete_bridge(saved_ip_forward: Path) -> None:
     if saved_ip_forward.exists():
         IP_FORWARD.write_text(saved_ip_forward.read_text())
         saved_ip_forward.unlink()
+    owner_file.unlink()
