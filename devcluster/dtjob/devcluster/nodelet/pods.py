@@ -10,6 +10,7 @@ import logging
 import os
 import signal
 import subprocess
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -53,10 +54,13 @@ def security(pod: Obj, container: Obj) -> Obj:
     """runAsUser/runAsGroup/supplementalGroups: the container's securityContext over the pod's."""
     merged = dict(pod["spec"].get("securityContext") or {})
     merged.update({k: v for k, v in (container.get("securityContext") or {}).items() if v is not None})
+    groups = list(merged.get("supplementalGroups") or [])
+    if merged.get("fsGroup") is not None:  # the kubelet adds the fsGroup to every container
+        groups.append(merged["fsGroup"])
     return {
         "runAsUser": merged.get("runAsUser"),
         "runAsGroup": merged.get("runAsGroup"),
-        "supplementalGroups": merged.get("supplementalGroups") or [],
+        "supplementalGroups": groups,
     }
 
 
@@ -204,6 +208,11 @@ class PodWorker:
         st = self.m.state
         try:
             env = container_env(self.pod, spec, self.configmaps, self.secrets, self.m.api_address)
+            user = self._user(spec)
+            if user["runAsUser"] not in (None, 0) and not any(
+                e.get("name") == "HOME" for e in spec.get("env") or []
+            ):
+                env["HOME"] = "/"  # what a runtime sets for a uid without a passwd entry
             argv = command_line(spec, env)
             plan = {
                 "hostname": self.hostname,
@@ -211,7 +220,7 @@ class PodWorker:
                 "env": env,
                 "workingDir": spec.get("workingDir"),
                 "argv": argv,
-                **security(self.pod, spec),
+                **user,
             }
         except (EnvError, VolumeError) as e:
             raise PodFailure("CreateContainerConfigError", f"container {run.name!r}: {e}") from None
@@ -241,6 +250,21 @@ class PodWorker:
         self._update_ready()
         await self.report()
         return run.exit_code or 0
+
+    def _user(self, spec: Obj) -> Obj:
+        """The container's user, or root when that user could not run the checkout's Python."""
+        user = security(self.pod, spec)
+        uid = user["runAsUser"]
+        if uid in (None, 0):
+            return user
+        gid = user["runAsGroup"] if user["runAsGroup"] is not None else uid
+        if sandbox.can_run_python(int(uid), tuple(int(g) for g in [gid, *user["supplementalGroups"]])):
+            return user
+        log.warning(
+            "pod %s/%s: uid %s cannot execute %s (a directory on the way is not searchable); runs as root",
+            self.ns, self.name, uid, sys.executable,
+        )  # fmt: skip
+        return {"runAsUser": None, "runAsGroup": None, "supplementalGroups": []}
 
     async def terminate(self, grace: float) -> None:
         """SIGTERM to every container, SIGKILL to what is left after `grace` seconds; returns when

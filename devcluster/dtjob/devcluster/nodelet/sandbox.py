@@ -5,10 +5,12 @@ the command line that starts a container inside it.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import logging
 import os
 import shutil
+import stat
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -115,3 +117,23 @@ def launch_argv(netns: str, plan: Path) -> list[str]:
         "unshare", "--mount", "--uts", "--propagation", "private",
         sys.executable, "-I", "-S", str(LAUNCHER), str(plan),
     ]  # fmt: skip
+
+
+@functools.cache
+def can_run_python(uid: int, gids: tuple[int, ...]) -> bool:
+    """Whether a process of this user and these groups can execute the checkout's Python: every
+    directory on the way to the interpreter (through the venv's symlink) must be searchable. A
+    Python installed under a root-only home (/root is 0700) is not, for any other user."""
+    paths = [Path(sys.executable).absolute(), Path(sys.executable).resolve()]
+    for path in paths:
+        for p in [*reversed(path.parents), path]:
+            st = os.stat(p)
+            if st.st_uid == uid:
+                bit = stat.S_IXUSR
+            elif st.st_gid in gids:
+                bit = stat.S_IXGRP
+            else:
+                bit = stat.S_IXOTH
+            if not st.st_mode & bit:
+                return False
+    return True

@@ -170,9 +170,12 @@ class VolumeBuilder:
                 "UnsupportedVolume",
                 f"volume {name!r}: persistentVolume {pv['metadata']['name']!r} is neither hostPath nor local",
             )
-        return HostVolume(
-            host_path({"path": path, "type": "DirectoryOrCreate"}, name), bool(ref.get("readOnly"))
-        )
+        if not Path(path).exists():
+            # Created as a local-volume provisioner does, writable by any user: the pod's user
+            # (trainers run as non-root) is not known when the PersistentVolume is made.
+            Path(path).mkdir(parents=True, exist_ok=True)
+            Path(path).chmod(0o777)
+        return HostVolume(host_path({"path": path, "type": "Directory"}, name), bool(ref.get("readOnly")))
 
     async def _projection(self, source: Obj) -> dict[str, bytes]:
         if "serviceAccountToken" in source:
