@@ -34,7 +34,7 @@ def kill_process_group(pid: int, start: int | None, sig: int) -> bool:
 
 def kill_node(state_dir: Path) -> None:
     """Kills all of this node's pod processes and deletes their netns, veths, /etc/netns dirs and
-    pod directories. Idempotent; logs are kept (podlogs/)."""
+    pod directories and logs (their pods can no longer be asked for them). Idempotent."""
     state = NodeState(Path(state_dir))
     procs = state.recorded_processes()
     for pid, start in procs:
@@ -44,5 +44,5 @@ def kill_node(state_dir: Path) -> None:
         time.sleep(0.05)
     for box in state.recorded_sandboxes():
         sandbox.teardown(box["netns"], box["veth"])
-    if state.pods.exists():
-        shutil.rmtree(state.pods, ignore_errors=True)
+    for d in (state.pods, state.logs):
+        shutil.rmtree(d, ignore_errors=True)

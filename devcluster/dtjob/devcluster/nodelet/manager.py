@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 from dtjob.devcluster.nodelet.config import NodeletConfig
 from dtjob.devcluster.nodelet.dns import DnsRecord
 from dtjob.devcluster.nodelet.kubeapi import ApiError, KubeApi, Obj, list_and_watch
-from dtjob.devcluster.nodelet.pods import DEFAULT_GRACE_S, PodWorker
+from dtjob.devcluster.nodelet.pods import DEFAULT_GRACE_S, PodWorker, patch_status
 from dtjob.devcluster.nodelet.state import NodeState
 from dtjob.devcluster.nodelet.status import now
 
@@ -136,20 +136,12 @@ class PodManager:
                 meta["namespace"],
                 meta["name"],
             )
-            self.spawn(self._patch_status(pod, lost_status(pod)))
+            self.spawn(patch_status(self.api, pod, lost_status(pod)))
             return
         worker = PodWorker(self, pod)
         self.workers[uid] = worker
         log.info("starting pod %s/%s", meta["namespace"], meta["name"])
         self.spawn(worker.run())
-
-    async def _patch_status(self, pod: Obj, status: Obj) -> None:
-        meta = pod["metadata"]
-        path = f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}/status"
-        try:
-            await self.api.request("PATCH", path, body={"status": status}, patch="strategic")
-        except ApiError as e:
-            log.warning("status of pod %s/%s: %s", meta["namespace"], meta["name"], e)
 
     async def _delete(self, pod: Obj, worker: PodWorker | None) -> None:
         """Graceful deletion: stop the containers within the grace period, remove the sandbox, then

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from dtjob.devcluster.nodelet import sandbox
 from dtjob.devcluster.nodelet.dns import RESOLV_CONF, DnsRecord, render_hosts
 from dtjob.devcluster.nodelet.env import SYSTEM_PATH, EnvError, command_line, container_env, referenced_names
-from dtjob.devcluster.nodelet.kubeapi import ApiError
+from dtjob.devcluster.nodelet.kubeapi import ApiError, KubeApi
 from dtjob.devcluster.nodelet.state import write_json
 from dtjob.devcluster.nodelet.status import Conditions, ContainerRun, exit_code, now
 from dtjob.devcluster.nodelet.volumes import (
@@ -64,6 +64,19 @@ def security(pod: Obj, container: Obj) -> Obj:
     }
 
 
+async def patch_status(api: KubeApi, pod: Obj, status: Obj) -> None:
+    """Patches a pod's status. The patch carries the pod's UID, as the kubelet's does, so a late
+    report never lands on a new pod of the same name (the operator reuses worker names)."""
+    meta = pod["metadata"]
+    path = f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}/status"
+    body = {"metadata": {"uid": meta["uid"]}, "status": status}
+    try:
+        await api.request("PATCH", path, body=body, patch="strategic")
+    except ApiError as e:
+        if e.status not in (404, 409, 422):  # gone, or replaced by a pod of the same name
+            log.warning("status of pod %s/%s: %s", meta["namespace"], meta["name"], e)
+
+
 class PodWorker:
     def __init__(self, manager: PodManager, pod: Obj) -> None:
         self.m = manager
@@ -106,6 +119,7 @@ class PodWorker:
             log.exception("pod %s/%s", self.ns, self.name)
             self._fail("NodeletError", f"the nodelet could not run the pod: {e}")
         finally:
+            self.terminating.set()  # no container of a finished or failed pod starts again
             self._signal_all(signal.SIGKILL)
             if self.box is not None:
                 sandbox.teardown(self.box.netns, self.box.veth)
@@ -327,12 +341,7 @@ class PodWorker:
     async def report(self) -> None:
         """Sends the current status (a strategic merge patch: conditions of others are kept)."""
         async with self._report_lock:
-            path = f"/api/v1/namespaces/{self.ns}/pods/{self.name}/status"
-            try:
-                await self.m.api.request("PATCH", path, body={"status": self.status()}, patch="strategic")
-            except ApiError as e:
-                if e.status != 404:  # gone already: nothing to report to
-                    log.warning("status of pod %s/%s: %s", self.ns, self.name, e)
+            await patch_status(self.m.api, self.pod, self.status())
 
     # ---- DNS and logs -----------------------------------------------------------------------
 
