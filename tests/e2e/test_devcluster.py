@@ -64,6 +64,7 @@ def test_controllers_run_as_their_own_service_accounts(devcluster: Devcluster) -
     accounts = kubectl("get", "serviceaccounts", "-n", "kube-system", "-o", "name", check=True).stdout.split()
     assert "serviceaccount/generic-garbage-collector" in accounts
     assert "serviceaccount/node-controller" in accounts
+    assert "serviceaccount/endpointslice-controller" in accounts
     kubectl("get", "serviceaccount", "default", "-n", "default", check=True)
 
 
