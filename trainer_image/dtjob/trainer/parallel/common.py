@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from dtjob.trainer.parallel.comm import Comm
 from dtjob.trainer.parallel.state import FetchRange, FlatShard
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -99,7 +100,7 @@ def _is_sharded_state(value: Any, param: torch.Tensor) -> bool:
     return isinstance(value, torch.Tensor) and value.shape == param.shape
 
 
-def _scalar_to_json(value: Any) -> Any:
+def scalar_to_json(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return {"tensor": value.item(), "dtype": str(value.dtype).removeprefix("torch.")}
     return value
@@ -147,7 +148,7 @@ def optimizer_extra_state(
             if _is_sharded_state(value, p):
                 tensor_states.add(state_name)
             else:
-                scalars.setdefault(name, {})[state_name] = _scalar_to_json(value)
+                scalars.setdefault(name, {})[state_name] = scalar_to_json(value)
     return {"tensor_states": sorted(tensor_states), "scalars": scalars}
 
 
@@ -178,6 +179,21 @@ def load_replicated_state(
             optimizer.state[p] = state
         for name, b in named_buffers.items():
             b.copy_(fetch(f"model.{name}", 0, b.numel()).view(b.shape))
+
+
+def broadcast_from_rank0(tensors: list[torch.Tensor], comm: Comm) -> None:
+    """Make every rank's tensors equal rank 0's: one broadcast per dtype, through a flat buffer."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    with torch.no_grad():
+        for group in by_dtype.values():
+            flat = torch.cat([t.detach().reshape(-1) for t in group])
+            comm.broadcast(flat, 0)
+            offset = 0
+            for t in group:
+                t.copy_(flat[offset : offset + t.numel()].view(t.shape))
+                offset += t.numel()
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

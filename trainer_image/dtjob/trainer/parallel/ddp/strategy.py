@@ -25,21 +25,6 @@ from dtjob.trainer.parallel.state import FetchRange, FlatShard
 _WIRE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def broadcast_from_rank0(tensors: list[torch.Tensor], comm: Comm) -> None:
-    """Make every rank's tensors equal rank 0's: one broadcast per dtype, through a flat buffer."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
-    with torch.no_grad():
-        for group in by_dtype.values():
-            flat = torch.cat([t.detach().reshape(-1) for t in group])
-            comm.broadcast(flat, 0)
-            offset = 0
-            for t in group:
-                t.copy_(flat[offset : offset + t.numel()].view(t.shape))
-                offset += t.numel()
-
-
 class DDPStrategy:
     def __init__(
         self,
@@ -56,7 +41,7 @@ class DDPStrategy:
         self._sync = True
         self.named_params = {n: p for n, p in model.named_parameters() if p.requires_grad}
         self.named_buffers = dict(model.named_buffers())
-        broadcast_from_rank0([*model.parameters(), *self.named_buffers.values()], comm)
+        common.broadcast_from_rank0([*model.parameters(), *self.named_buffers.values()], comm)
         if config.activation_checkpointing:
             common.apply_activation_checkpointing(common.blocks_in_order(model))
 
@@ -101,7 +86,7 @@ class DDPStrategy:
         for bucket in self.buckets:
             bucket.buffer.zero_()
         if self.named_buffers:  # like torch DDP: rank 0's buffers (e.g. BatchNorm stats) win
-            broadcast_from_rank0(list(self.named_buffers.values()), self.comm)
+            common.broadcast_from_rank0(list(self.named_buffers.values()), self.comm)
         local_loss = 0.0
         for i, (x, y) in enumerate(micro):
             last = i == len(micro) - 1
