@@ -24,8 +24,8 @@ RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
 ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1
 USER 10001:10001
-# 8080: liveness (/healthz), 9090: Prometheus metrics (/metrics); the chart's defaults.
-EXPOSE 8080 9090
+# 8080: liveness (/healthz), 9401: Prometheus metrics (/metrics); the chart's defaults.
+EXPOSE 8080 9401
 HEALTHCHECK --interval=30s --timeout=5s --retries=3 \
   CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8080/healthz', timeout=4)"]
 ENTRYPOINT ["dtjob", "operator"]

@@ -88,9 +88,7 @@ def test_namespaced_install_has_a_role_per_namespace_and_reads_only_nodes_cluste
     assert not [d for d in docs if d["kind"] == "ClusterKopfPeering"]
     # The only cluster-wide grant: reading nodes.
     cluster_role = only(docs, "ClusterRole")
-    assert cluster_role["rules"] == [
-        {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]}
-    ]
+    assert cluster_role["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["list"]}]
     role_resources = {
         r for d in docs if d["kind"] == "Role" for rule in d["rules"] for r in rule["resources"]
     }
@@ -116,7 +114,7 @@ def test_rbac_grants_no_wildcards_no_secrets_and_nodes_read_only() -> None:
                 rule["verbs"]
             ), rule
             if "nodes" in rule["resources"]:
-                assert rule["verbs"] == ["get", "list", "watch"]
+                assert rule["verbs"] == ["list"]
 
 
 def test_volcano_podgroups_are_granted_only_when_enabled() -> None:
@@ -129,7 +127,7 @@ def test_volcano_podgroups_are_granted_only_when_enabled() -> None:
     assert podgroup_rules() == []
     (rule,) = podgroup_rules("--set", "volcano.enabled=true")
     assert rule["apiGroups"] == ["scheduling.volcano.sh"]
-    assert {"create", "delete", "watch"} <= set(rule["verbs"])
+    assert rule["verbs"] == ["get", "create", "patch"]
 
 
 def test_deployment_is_one_hardened_recreated_replica() -> None:
@@ -157,37 +155,26 @@ def test_deployment_is_one_hardened_recreated_replica() -> None:
     probe = container["livenessProbe"]["httpGet"]
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert probe["path"] == "/healthz" and probe["port"] == "health"
-    assert f"--health-port={ports['health']}" in container["args"]
+    assert f"--liveness=http://0.0.0.0:{ports['health']}/healthz" in container["args"]
     assert f"--metrics-port={ports['metrics']}" in container["args"]
 
 
-def test_metrics_service_and_optional_service_monitor() -> None:
-    docs = render()
-    service = only(docs, "Service")
-    assert service["spec"]["ports"][0]["targetPort"] == "metrics"
-    assert service["spec"]["selector"] == only(docs, "Deployment")["spec"]["selector"]["matchLabels"]
-    assert not [d for d in docs if d["kind"] == "ServiceMonitor"]
-    monitor = only(render("--set", "metrics.serviceMonitor.enabled=true"), "ServiceMonitor")
-    assert monitor["spec"]["endpoints"][0]["port"] == "metrics"
-    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+TUNED = ["--set", "operator.verbose=true,peering.priority=7", "--set-json", "operator.interval=2.5"]
 
 
-def test_worker_defaults_reach_the_operator() -> None:
-    values = [
-        "--set",
-        "workers.podSecurityContext.runAsUser=4242",
-        "--set",
-        "workers.serviceAccount.name=trainer",
-    ]
-    env = {e["name"]: e.get("value") for e in operator_container(render(*values))["env"]}
-    assert json.loads(env["DTJOB_WORKER_POD_SECURITY_CONTEXT"])["runAsUser"] == 4242
-    assert json.loads(env["DTJOB_WORKER_SECURITY_CONTEXT"])["allowPrivilegeEscalation"] is False
-    assert env["DTJOB_WORKER_SERVICE_ACCOUNT"] == "trainer"
-    assert env["DTJOB_WORKER_AUTOMOUNT_SERVICE_ACCOUNT_TOKEN"] == "false"
-    # All-namespaces install: no worker ServiceAccount is created (it would exist in one
-    # namespace only), so by default the operator is told none.
-    default_env = {e["name"]: e.get("value") for e in operator_container(render())["env"]}
-    assert default_env["DTJOB_WORKER_SERVICE_ACCOUNT"] == ""
+@pytest.mark.parametrize("values", [[], NAMESPACED, TUNED], ids=["all-namespaces", "namespaced", "tuned"])
+def test_operator_accepts_the_arguments_the_chart_passes(values: list[str]) -> None:
+    from dtjob.operator.main import parse_args
+
+    docs = render(*values)
+    args = parse_args(operator_container(docs)["args"])
+    assert args.namespace == (["team-a", "team-b"] if values == NAMESPACED else [])
+    assert args.all_namespaces is (values != NAMESPACED)
+    peering_kind = "KopfPeering" if args.namespace else "ClusterKopfPeering"
+    assert {args.peering} == {d["metadata"]["name"] for d in docs if d["kind"] == peering_kind}
+    assert args.standalone is False
+    expected = (True, 2.5, 7) if values == TUNED else (False, 5.0, 0)
+    assert (args.verbose, args.interval, args.priority) == expected
 
 
 @pytest.mark.parametrize(
@@ -204,7 +191,7 @@ def test_worker_defaults_reach_the_operator() -> None:
         (["--set", "image.tag=latest"], 'image.tag "latest" is refused'),
         (["--set", "watchNamespaces={Team_A}"], "at '/watchNamespaces/0'"),
         (["--set", "operator.healthPort=70000"], "at '/operator/healthPort': maximum"),
-        (["--set", "operator.healthPort=9090"], "give them different ports"),
+        (["--set", "operator.healthPort=9401"], "give them different ports"),
         (["--set", "serviceAccount.create=false"], "serviceAccount.name is required"),
     ],
 )

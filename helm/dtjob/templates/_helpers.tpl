@@ -89,49 +89,51 @@ Checks across values that the JSON schema cannot express. Included by the Deploy
 
 {{/*
 RBAC rules on namespaced resources: the same list for the ClusterRole of an all-namespaces
-install and for the Role in each watched namespace. Each rule lists only the verbs the operator's
-code issues (operator/dtjob/operator/); kopf itself patches the job for its finalizer and
-progress annotations and creates Events.
+install and for the Role in each watched namespace. Each rule lists exactly the verbs of the calls
+in operator/dtjob/operator/ (kube.py, handlers.py) and of kopf underneath it; tests/e2e/
+test_helm_chart.py shows the operator failing without each rule.
 */}}
 {{- define "dtjob.namespacedRules" -}}
-# The jobs: watched, patched (status, kopf's finalizer and annotations), deleted after
-# runPolicy.ttlSecondsAfterFinished.
+# The jobs: kopf lists and watches them and patches its finalizer in; the operator reads each
+# job before a reconcile and deletes it after runPolicy.ttlSecondsAfterFinished.
 - apiGroups: [training.dtjob.io]
   resources: [distributedtrainingjobs]
   verbs: [get, list, watch, patch, delete]
+# Phase, conditions, world size, step: the status subresource.
 - apiGroups: [training.dtjob.io]
   resources: [distributedtrainingjobs/status]
-  verbs: [get, patch]
-# Worker pods: created per generation, deleted to stop a gang, watched for failures.
+  verbs: [patch]
+# Worker pods: watched (kopf) and listed per job, created per generation, deleted to stop a gang.
 - apiGroups: [""]
   resources: [pods]
-  verbs: [get, list, watch, create, delete]
-# The headless Service that gives workers their DNS names; garbage-collected with the job.
+  verbs: [list, watch, create, delete]
+# The headless Service that gives workers their DNS names (read to see whether it exists); it
+# goes with the job through its owner reference.
 - apiGroups: [""]
   resources: [services]
-  verbs: [get, list, watch, create]
-# Events: one per phase transition and rescale; kopf also reports handler errors as Events.
+  verbs: [get, create]
+# Events: one per phase transition and rescale, saying why.
 - apiGroups: [""]
   resources: [events]
-  verbs: [create, patch]
+  verbs: [create]
 {{- if .Values.volcano.enabled }}
-# Volcano gang scheduling: one PodGroup per job, resized per generation.
+# Volcano gang scheduling: one PodGroup per job, its minMember patched per generation.
 - apiGroups: [scheduling.volcano.sh]
   resources: [podgroups]
-  verbs: [get, list, watch, create, patch, delete]
+  verbs: [get, create, patch]
 {{- end }}
 {{- end }}
 
 {{/*
 Cluster-scoped reads. Nodes: a worker whose node turns NotReady or disappears starts a new
 generation, and only the Node object says so (the pod keeps reporting Running until the node
-controller evicts it, minutes later). Read-only: the operator never changes nodes. Nothing else
-cluster-scoped is granted: kopf falls back to its startup discovery without CRD or namespace
-watches (it logs that unless the operator sets settings.scanning.disabled).
+controller evicts it, minutes later); node capacity also decides how far a job shrinks. The
+operator lists nodes on each reconcile and never changes them. Nothing else cluster-scoped is
+granted: kopf runs on its startup discovery without CRD or namespace watches (it logs that).
 */}}
 {{- define "dtjob.clusterReadRules" -}}
 # Nodes, read-only: a NotReady or vanished node restarts the gangs with workers on it.
 - apiGroups: [""]
   resources: [nodes]
-  verbs: [get, list, watch]
+  verbs: [list]
 {{- end }}
