@@ -49,13 +49,17 @@ def peering_crd(scope: str) -> dict[str, Any]:
 def _ensure_crd(scope: str) -> str:
     crd = peering_crd(scope)
     ext = client.ApiextensionsV1Api()
+    plural: str = crd["spec"]["names"]["plural"]
     try:
         ext.create_custom_resource_definition(crd)  # type: ignore[arg-type]
         log.info("created CRD %s", crd["metadata"]["name"])
     except ApiException as e:
+        if e.status == 403:
+            # Least-privilege installs (the helm chart) ship this CRD and grant no CRD rights.
+            log.info("not allowed to create CRD %s; using the installed one", crd["metadata"]["name"])
+            return plural
         if e.status != 409:
             raise
-    plural: str = crd["spec"]["names"]["plural"]
     # The API server serves a new CRD's resource a moment after accepting it.
     for _ in range(50):
         served = ext.read_custom_resource_definition(crd["metadata"]["name"])
@@ -75,8 +79,7 @@ def ensure_peering(name: str, clusterwide: bool, namespaces: list[str]) -> None:
         try:
             custom.create_cluster_custom_object(PEERING_GROUP, PEERING_VERSION, plural, body)
         except ApiException as e:
-            if e.status != 409:
-                raise
+            _tolerate_existing_or_forbidden(e, body)
         return
     plural = _ensure_crd("Namespaced")
     for namespace in namespaces:
@@ -85,5 +88,14 @@ def ensure_peering(name: str, clusterwide: bool, namespaces: list[str]) -> None:
         try:
             custom.create_namespaced_custom_object(PEERING_GROUP, PEERING_VERSION, namespace, plural, body)
         except ApiException as e:
-            if e.status != 409:
-                raise
+            _tolerate_existing_or_forbidden(e, body)
+
+
+def _tolerate_existing_or_forbidden(error: ApiException, body: dict[str, Any]) -> None:
+    """409: it exists. 403: a least-privilege install (the helm chart) creates the peering object
+    itself and grants only get/list/watch/patch on it; kopf reports it if it is missing."""
+    if error.status == 403:
+        kind, name = body["kind"], body["metadata"]["name"]
+        log.info("not allowed to create %s %s; expecting the installer's", kind, name)
+    elif error.status != 409:
+        raise error
