@@ -84,6 +84,16 @@ class JobReconciler:
         self.metrics.job_phase(namespace, name, None)
 
 
+def needs_timer(phase: str | None, spec: Any) -> bool:
+    """Whether time alone can change what a job needs: not for a Suspended job, nor for a
+    finished one without ttlSecondsAfterFinished (their pod and spec changes arrive as events)."""
+    if phase == "Suspended":
+        return False
+    if phase in {"Succeeded", "Failed"}:
+        return (spec.get("runPolicy") or {}).get("ttlSecondsAfterFinished") is not None
+    return True
+
+
 def _message(error: ApiException) -> str:
     try:
         return str(json.loads(error.body or "{}").get("message", error.body))
@@ -111,7 +121,9 @@ def build_registry(reconciler: JobReconciler, interval: float) -> kopf.OperatorR
         return kopf.login_via_client(**kwargs)
 
     @kopf.timer(GROUP, VERSION, PLURAL, interval=interval, registry=registry)
-    def job_timer(namespace: str | None, name: str, **_: Any) -> None:
+    def job_timer(namespace: str | None, name: str, status: kopf.Status, spec: kopf.Spec, **_: Any) -> None:
+        if not needs_timer(status.get("phase"), spec):
+            return  # idle: only a spec change (a job event) or a pod event can change anything
         reconciler.reconcile(namespace or "default", name)
 
     @kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)
