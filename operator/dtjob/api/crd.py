@@ -107,9 +107,11 @@ def _model_schema(model: type[DistributedTrainingJobSpec | DistributedTrainingJo
 def openapi_schema(k8s: bool = True) -> dict[str, Any]:
     """The `openAPIV3Schema` of the CRD's only version."""
     fields = DistributedTrainingJob.model_fields
-    spec = {"description": fields["spec"].description, **_model_schema(DistributedTrainingJobSpec, k8s)}
+    spec = _model_schema(DistributedTrainingJobSpec, k8s)
+    spec["description"] = fields["spec"].description  # the field's text, not the class docstring
     spec["x-kubernetes-validations"] = rules.cel_validations()
-    status = {"description": fields["status"].description, **_model_schema(DistributedTrainingJobStatus, k8s)}
+    status = _model_schema(DistributedTrainingJobStatus, k8s)
+    status["description"] = fields["status"].description
     return {
         "type": "object",
         "description": " ".join((DistributedTrainingJob.__doc__ or "").split()),

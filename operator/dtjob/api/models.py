@@ -36,9 +36,7 @@ VolumeSource = Annotated[dict[str, Any], WithJsonSchema({K8S_SCHEMA_KEY: "Volume
 class ApiModel(BaseModel):
     """camelCase on the wire, snake_case in Python; unknown fields are errors, like the CRD."""
 
-    model_config = ConfigDict(
-        alias_generator=to_camel, populate_by_name=True, extra="forbid", use_enum_values=False
-    )
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
 
     def to_dict(self) -> dict[str, Any]:
         """The Kubernetes form: camelCase keys, unset optional fields left out."""
@@ -54,12 +52,16 @@ class RestartPolicy(StrEnum):
 
 
 class CleanPodPolicy(StrEnum):
+    """Which worker pods are deleted when the job finishes (as in Kubeflow's run policy)."""
+
     NONE = "None"
     RUNNING = "Running"
     ALL = "All"
 
 
 class JobPhase(StrEnum):
+    """The job's lifecycle phase, written by the operator to status.phase."""
+
     PENDING = "Pending"
     RUNNING = "Running"
     RESTARTING = "Restarting"
@@ -69,6 +71,8 @@ class JobPhase(StrEnum):
 
 
 class ElasticPolicy(ApiModel):
+    """Elastic bounds of the world size and what a worker failure does."""
+
     min_replicas: int | None = Field(
         default=None,
         ge=1,
@@ -109,6 +113,8 @@ class ElasticPolicy(ApiModel):
 
 
 class CheckpointSpec(ApiModel):
+    """Storage shared by all workers, from which every new generation resumes."""
+
     volume: VolumeSource = Field(
         description="Where checkpoints live: a Kubernetes volume source (persistentVolumeClaim, "
         "hostPath, nfs, ...) that every worker can reach. Workers resume from its newest "
@@ -123,6 +129,8 @@ class CheckpointSpec(ApiModel):
 
 
 class SchedulingPolicy(ApiModel):
+    """How the worker pods are scheduled: scheduler, Volcano queue, priority, gang."""
+
     scheduler_name: str | None = Field(
         default=None,
         description="schedulerName of the worker pods. `volcano` also creates a Volcano PodGroup "
@@ -142,6 +150,8 @@ class SchedulingPolicy(ApiModel):
 
 
 class RunPolicy(ApiModel):
+    """Deadline, clean-up after the end, and suspension."""
+
     active_deadline_seconds: int | None = Field(
         default=None,
         ge=1,
@@ -167,6 +177,8 @@ class RunPolicy(ApiModel):
 
 
 class DistributedTrainingJobSpec(ApiModel):
+    """The desired state of a job; the user writes it."""
+
     replicas: int = Field(
         ge=1,
         description="Desired world size: the number of worker pods. `kubectl scale` sets it "
@@ -222,6 +234,8 @@ class DistributedTrainingJobSpec(ApiModel):
 
 
 class Condition(ApiModel):
+    """One observation of the job's state, in the usual Kubernetes condition shape."""
+
     type: str = Field(
         description="Condition type: Created, Running, Restarting, Suspended, Succeeded or Failed."
     )
@@ -237,11 +251,15 @@ class Condition(ApiModel):
 
 
 class CheckpointStatus(ApiModel):
+    """The newest complete checkpoint the workers reported."""
+
     step: int = Field(ge=0, description="Training step the checkpoint holds.")
     time: datetime | None = Field(default=None, description="When the checkpoint was completed.")
 
 
 class DistributedTrainingJobStatus(ApiModel):
+    """The observed state of a job; only the operator writes it."""
+
     phase: JobPhase | None = Field(
         default=None, description="Pending, Running, Restarting, Suspended, Succeeded or Failed."
     )
