@@ -62,6 +62,15 @@ def ensure_pki(layout: Layout) -> None:
         organizations=("system:masters",),
         client=True,
     )
+    # The aggregation layer's own CA and client (as kubeadm sets it up): without them every
+    # component logs "missing content for CA bundle requestheader-client-ca-file" forever.
+    front_proxy_ca = pki.ensure_ca(p, "front-proxy-ca", "dtjob-devcluster-front-proxy-ca")
+    pki.ensure_cert(
+        front_proxy_ca,
+        pki.CertKey(p / "front-proxy-client.crt", p / "front-proxy-client.key"),
+        "front-proxy-client",
+        client=True,
+    )
     clients = {
         "admin": ("kubernetes-admin", ("system:masters",)),
         "controller-manager": ("system:kube-controller-manager", ()),
@@ -140,6 +149,13 @@ def command(component: str, layout: Layout, binaries: Binaries) -> list[str]:
             "--kubelet-preferred-address-types=InternalIP",
             f"--default-not-ready-toleration-seconds={TOLERATION_SECONDS}",
             f"--default-unreachable-toleration-seconds={TOLERATION_SECONDS}",
+            f"--requestheader-client-ca-file={p / 'front-proxy-ca.crt'}",
+            "--requestheader-allowed-names=front-proxy-client",
+            "--requestheader-username-headers=X-Remote-User",
+            "--requestheader-group-headers=X-Remote-Group",
+            "--requestheader-extra-headers-prefix=X-Remote-Extra-",
+            f"--proxy-client-cert-file={p / 'front-proxy-client.crt'}",
+            f"--proxy-client-key-file={p / 'front-proxy-client.key'}",
             "--allow-privileged=true",
             "--profiling=false",
         ]

@@ -62,14 +62,14 @@ def _name(common_name: str, organizations: tuple[str, ...] = ()) -> x509.Name:
     return x509.Name(attrs)
 
 
-def ensure_ca(pki: Path) -> CertKey:
-    """The cluster CA at pki/ca.crt, pki/ca.key (created on first use)."""
-    ca = CertKey(pki / "ca.crt", pki / "ca.key")
+def ensure_ca(pki: Path, stem: str = "ca", common_name: str = "dtjob-devcluster-ca") -> CertKey:
+    """A CA at pki/<stem>.crt, pki/<stem>.key (created on first use); the default is the cluster CA."""
+    ca = CertKey(pki / f"{stem}.crt", pki / f"{stem}.key")
     if ca.cert.exists() and ca.key.exists():
         return ca
     key = _new_key()
     now = datetime.datetime.now(datetime.UTC)
-    name = _name("dtjob-devcluster-ca")
+    name = _name(common_name)
     cert = (
         x509.CertificateBuilder()
         .subject_name(name)
