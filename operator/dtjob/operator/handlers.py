@@ -113,6 +113,10 @@ def build_registry(reconciler: JobReconciler, interval: float) -> kopf.OperatorR
         settings.posting.enabled = False
         # Sync handlers run in this many threads: one pass per job at a time, many jobs at once.
         settings.execution.max_workers = 16
+        # No runtime watch of CRDs and namespaces: the job CRD exists before the operator starts
+        # (helm installs it first), and a least-privilege install (the helm chart) grants neither,
+        # which kopf would otherwise report with a burst of retried 403 errors at every start.
+        settings.scanning.disabled = True
 
     @kopf.on.login(registry=registry)
     def login(**kwargs: Any) -> kopf.ConnectionInfo | None:

@@ -6,7 +6,9 @@ here is idempotent under retries: creates tolerate AlreadyExists, deletes tolera
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 import threading
 import time
 import urllib.request
@@ -44,6 +46,9 @@ PODGROUP_PLURAL = "podgroups"
 CLUSTER_VIEW_TTL_SECONDS = 2.0
 # Rank 0's metrics endpoint must answer quickly: a reconcile waits for it.
 METRICS_TIMEOUT_SECONDS = 1.0
+# Lines of a finished rank 0's log read to find its final step.
+FINAL_LOG_LINES = 20
+COMPLETE_LINE = re.compile(r"training complete at step (\d+)")
 TRAINER_GAUGES = {
     "dtjob_trainer_step": "step",
     "dtjob_trainer_last_checkpoint_step": "checkpoint_step",
@@ -84,6 +89,24 @@ def parse_trainer_metrics(text: str) -> TrainerMetrics:
         checkpoint_step=None if checkpoint_step is None or checkpoint_step < 0 else int(checkpoint_step),
         checkpoint_time=values.get("checkpoint_time") or None,
     )
+
+
+def final_step_from_log(text: str) -> int | None:
+    """The last step in a trainer's log: its last per-step JSON line, or its closing
+    "training complete at step N" line when the step lines went to --log-file."""
+    for line in reversed(text.splitlines()):
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and isinstance(record.get("step"), int):
+                return int(record["step"])
+        match = COMPLETE_LINE.search(line)
+        if match:
+            return int(match.group(1))
+    return None
 
 
 class Kube:
@@ -172,6 +195,8 @@ class Kube:
         generation = job.status.get("generation")
         for pod in pods:
             w = Worker.of(pod)
+            if w.rank == 0 and w.generation == generation and w.phase == "Succeeded":
+                return self._final_step(job, w.name)
             ip = (pod.get("status") or {}).get("podIP")
             if w.rank == 0 and w.generation == generation and w.phase == "Running" and ip:
                 url = f"http://{ip}:{job.metrics_port}/metrics"
@@ -181,6 +206,18 @@ class Kube:
                 except OSError as e:
                     log.debug("no metrics from %s: %s", url, e)
         return None
+
+    def _final_step(self, job: JobView, pod: str) -> TrainerMetrics | None:
+        """The step a finished rank 0 ended at, from its log (its metrics endpoint is gone)."""
+        if job.status.get("phase") in {"Succeeded", "Failed"}:
+            return None  # already recorded
+        try:
+            text = self.core.read_namespaced_pod_log(pod, job.namespace, tail_lines=FINAL_LOG_LINES)
+        except ApiException as e:
+            log.debug("no log of %s/%s: %s", job.namespace, pod, e.reason)
+            return None
+        step = final_step_from_log(str(text))
+        return None if step is None else TrainerMetrics(step=step)
 
     # acting -------------------------------------------------------------------------------
     def execute(self, job: Mapping[str, Any], actions: list[Action]) -> None:

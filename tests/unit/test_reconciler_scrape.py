@@ -1,0 +1,31 @@
+"""What the operator reads from workers: rank 0's Prometheus gauges and a finished rank 0's log."""
+
+from __future__ import annotations
+
+from dtjob.operator.kube import final_step_from_log, parse_trainer_metrics
+from dtjob.operator.reconciler import TrainerMetrics
+
+EXPOSITION = """# HELP dtjob_trainer_step Last completed step
+# TYPE dtjob_trainer_step gauge
+dtjob_trainer_step 42.0
+dtjob_trainer_last_checkpoint_step{job="gpt"} 40.0
+dtjob_trainer_last_checkpoint_timestamp_seconds 1.7e9
+python_gc_objects_collected_total{generation="0"} 123.0
+"""
+
+
+def test_trainer_gauges_are_read_from_exposition_text() -> None:
+    assert parse_trainer_metrics(EXPOSITION) == TrainerMetrics(42, 40, 1.7e9)
+
+
+def test_no_checkpoint_yet_reads_as_none() -> None:
+    text = "dtjob_trainer_step 3\ndtjob_trainer_last_checkpoint_step -1\n"
+    assert parse_trainer_metrics(text) == TrainerMetrics(3, None, None)
+
+
+def test_final_step_from_json_step_lines_or_the_closing_line() -> None:
+    json_log = '{"step": 29, "loss": 2.0}\n{"step": 30, "loss": 1.9}\nINFO checkpoint written\n'
+    assert final_step_from_log(json_log) == 30
+    quiet_log = "dtjob-trainer[rank 0] 14:23:29 INFO training complete at step 60\n"
+    assert final_step_from_log(quiet_log) == 60
+    assert final_step_from_log("Traceback (most recent call last):\n") is None
