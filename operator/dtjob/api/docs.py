@@ -76,7 +76,7 @@ def api_section() -> str:
         "Rules the API server enforces (CEL) and the operator checks again (`validate_job`):",
         "",
         *[f"- `spec.{r.field}`: {r.message} (`{r.cel}`)" for r in rules.RULES],
-        *[f"- `spec.{r.field}`: {r.message}" for r in rules.TRANSITION_RULES],
+        *[f"- `spec.{r.field}`: {r.message}: {r.why}" for r in rules.TRANSITION_RULES],
         "",
         "### Status (written by the operator)",
         "",

@@ -47,6 +47,7 @@ class TransitionRule:
     cel: str
     message: str
     ok: Callable[[DistributedTrainingJobSpec, DistributedTrainingJobSpec], bool]
+    why: str  # for the README
 
 
 def _pod_spec(spec: DistributedTrainingJobSpec) -> dict[str, Any]:
@@ -113,6 +114,7 @@ TRANSITION_RULES: tuple[TransitionRule, ...] = (
         "self.masterPort == oldSelf.masterPort",
         "masterPort is immutable",
         lambda new, old: new.master_port == old.master_port,
+        "running workers have it as MASTER_PORT; a gang that disagrees on it never forms",
     ),
     TransitionRule(
         "checkpoint",
@@ -120,12 +122,14 @@ TRANSITION_RULES: tuple[TransitionRule, ...] = (
         " && (!has(self.checkpoint) || self.checkpoint == oldSelf.checkpoint)",
         "checkpoint is immutable",
         lambda new, old: new.checkpoint == old.checkpoint,
+        "the training state lives there; new storage would silently restart from step 0",
     ),
     TransitionRule(
         "template",
         "self.template == oldSelf.template",
         "template is immutable (create a new job to change it)",
         lambda new, old: new.template == old.template,
+        "an elastic restart would mix pods of two templates in one gang (as with batch/v1 Job)",
     ),
 )
 
