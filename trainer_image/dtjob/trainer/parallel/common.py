@@ -140,7 +140,12 @@ def replicated_state_shards(
 def optimizer_extra_state(
     named_params: Mapping[str, torch.Tensor], state_of: Callable[[str], Mapping[str, Any]]
 ) -> dict[str, Any]:
-    """Which tensor states exist, and every non-tensor (or scalar) state, as JSON."""
+    """Which tensor states exist, and the non-tensor (or scalar) states, as JSON.
+
+    When every parameter has the same scalar state (the usual case: Adam's step count) it is
+    stored once under "common", which keeps this identical on every rank even when ranks hold
+    different parameters (pipeline stages) without any communication.
+    """
     tensor_states: set[str] = set()
     scalars: dict[str, dict[str, Any]] = {}
     for name, p in named_params.items():
@@ -149,11 +154,15 @@ def optimizer_extra_state(
                 tensor_states.add(state_name)
             else:
                 scalars.setdefault(name, {})[state_name] = scalar_to_json(value)
+    distinct = {repr(sorted(v.items())) for v in scalars.values()}
+    if len(distinct) == 1 and len(scalars) == len(named_params):
+        return {"tensor_states": sorted(tensor_states), "common": next(iter(scalars.values())), "scalars": {}}
     return {"tensor_states": sorted(tensor_states), "scalars": scalars}
 
 
 def optimizer_scalars_from_extra(extra: Mapping[str, Any], name: str) -> dict[str, Any]:
-    scalars = extra.get("optim", {}).get("scalars", {}).get(name, {})
+    optim = extra.get("optim", {})
+    scalars = optim.get("scalars", {}).get(name, optim.get("common", {}))
     return {k: _scalar_from_json(v) for k, v in scalars.items()}
 
 

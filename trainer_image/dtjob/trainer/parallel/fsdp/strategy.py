@@ -87,9 +87,7 @@ class FSDPStrategy:
                 shard.grad = torch.zeros(unit.shard_len, dtype=torch.float32)
             self.shards.append(shard)
             for s in unit.slots:
-                s.param.register_post_accumulate_grad_hook(
-                    lambda p, u=unit: self._on_grad_ready(u, p)
-                )
+                s.param.register_post_accumulate_grad_hook(lambda p, u=unit: self._on_grad_ready(u, p))
         self._hooks: list[RemovableHandle] = []
         if self.stage == 3:
             self._register_zero3_hooks()
@@ -344,20 +342,13 @@ class FSDPStrategy:
         return shards
 
     def extra_state(self) -> dict[str, Any]:
-        tensor_states: set[str] = set()
-        scalars: dict[str, dict[str, Any]] = {}
+        state_of_unit = {}
+        named: dict[str, torch.Tensor] = {}
         for unit, shard in zip(self.units, self.shards, strict=True):
-            state = self.optimizer.state.get(shard, {})
-            one = {}
-            for k, v in state.items():
-                if _is_shard_state(v, shard):
-                    tensor_states.add(k)
-                else:
-                    one[k] = common.scalar_to_json(v)
-            if one:
-                for s in unit.slots:
-                    scalars[s.name] = one
-        return {"optim": {"tensor_states": sorted(tensor_states), "scalars": scalars}}
+            for s in unit.slots:
+                state_of_unit[s.name] = self.optimizer.state.get(shard, {})
+                named[s.name] = shard  # states shaped like the shard are the sharded ones
+        return {"optim": common.optimizer_extra_state(named, lambda n: state_of_unit[n])}
 
     def load_state_shards(self, fetch: FetchRange, extra: dict[str, Any]) -> None:
         tensor_states = extra.get("optim", {}).get("tensor_states", [])
