@@ -160,28 +160,42 @@ class DnsWatcher:
         await self._publish(records_from_slices(self._objects.values()))
 
     async def _poll_endpoints(self, stop: asyncio.Event) -> None:
-        """Nodes may list/watch Services and get Endpoints by name: read the Endpoints of every
-        headless Service each period."""
-        while not stop.is_set():
-            try:
-                services = await self.api.get("/api/v1/services")
-                found = []
-                for svc in services.get("items", []):
-                    if svc.get("spec", {}).get("clusterIP") != "None":
-                        continue
-                    meta = svc["metadata"]
-                    try:
-                        found.append(
-                            await self.api.get(
-                                f"/api/v1/namespaces/{meta['namespace']}/endpoints/{meta['name']}"
-                            )
-                        )
-                    except ApiError as e:
-                        if e.status != 404:
-                            raise
-                await self._publish(records_from_endpoints(found))
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                log.warning("reading headless Services' Endpoints: %s", e)
-            await asyncio.sleep(ENDPOINTS_POLL_S)
+        """Nodes may list/watch Services and get Endpoints by name: watch the headless Services
+        and read their Endpoints each period."""
+        headless: dict[tuple[str, str], bool] = {}
+
+        async def on_list(items: list[Obj]) -> None:
+            headless.clear()
+            for svc in items:
+                await on_event("ADDED", svc)
+
+        async def on_event(kind: str, svc: Obj) -> None:
+            key = (svc["metadata"]["namespace"], svc["metadata"]["name"])
+            if kind != "DELETED" and svc.get("spec", {}).get("clusterIP") == "None":
+                headless[key] = True
+            else:
+                headless.pop(key, None)
+
+        watcher = asyncio.create_task(
+            list_and_watch(self.api, "/api/v1/services", {}, on_list, on_event, stop)
+        )
+        try:
+            while not stop.is_set():
+                try:
+                    found = [e for e in [await self._endpoints(ns, name) for ns, name in list(headless)] if e]
+                    await self._publish(records_from_endpoints(found))
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:
+                    log.warning("reading headless Services' Endpoints: %s", e)
+                await asyncio.sleep(ENDPOINTS_POLL_S)
+        finally:
+            watcher.cancel()
+
+    async def _endpoints(self, namespace: str, name: str) -> Obj | None:
+        try:
+            return await self.api.get(f"/api/v1/namespaces/{namespace}/endpoints/{name}")
+        except ApiError as e:
+            if e.status == 404:
+                return None
+            raise
