@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import json
 import shlex
 import shutil
@@ -140,35 +141,13 @@ def up(layout: Layout, requested: dict[str, object], timeout: float = COMPONENT_
         binaries.check_buildable()
         check_ports(layout, config)
         binaries.build_missing(layout.log("build"))
-        if not running:
-            _reset_logs(layout)
-        for d in (layout.logs, layout.pids, layout.nodes):
-            d.mkdir(parents=True, exist_ok=True)
-        controlplane.ensure_pki(layout)
-        network.ensure_bridge(layout.bridge_owner, layout.saved_ip_forward)
-        layout.cluster_file.write_text(json.dumps(asdict(config)) + "\n")
-
         started: list[str] = []
-        for component in CONTROL_PLANE:
-            pid = component_pid(layout, component)
-            if pid is None:
-                argv = controlplane.command(component, layout, binaries)
-                pid = processes.start(argv, layout.log(component), layout.pid_file(component))
-                started.append(component)
-            _wait(
-                component,
-                lambda c=component: controlplane.healthy(c, layout),  # type: ignore[misc]
-                timeout,
-                pid,
-                layout.log(component),
-            )
-        for name in config.node_names:
-            controlplane.ensure_node_pki(layout, name)
-            if nodes.pid(layout, name) is None:
-                nodes.start(layout, name, config.shape)
-                started.append(name)
-        _wait_nodes_ready(layout, config.node_names, NODES_TIMEOUT)
-        _wait_default_service_account(layout, timeout)
+        try:
+            _start_missing(layout, binaries, config, running, started, timeout)
+        except DevclusterError as e:
+            if started:
+                raise DevclusterError(f"{e}; `dtjob devcluster down` cleans up what started") from None
+            raise
 
     if started:
         print(f"devcluster: up in {layout.root} (started {', '.join(started)})")
@@ -176,6 +155,43 @@ def up(layout: Layout, requested: dict[str, object], timeout: float = COMPONENT_
         print(f"devcluster: already up in {layout.root}; nothing changed")
     print(f'devcluster: {config.nodes} nodes, run: eval "$(dtjob devcluster env)"')
     return 0
+
+
+def _start_missing(
+    layout: Layout,
+    binaries: Binaries,
+    config: ClusterConfig,
+    running: bool,
+    started: list[str],
+    timeout: float,
+) -> None:
+    """Starts each component and node that is not running (appending its name to `started`), in
+    dependency order, waiting for each component to be healthy and then for every node to be Ready."""
+    if not running:
+        _reset_logs(layout)
+    for d in (layout.logs, layout.pids, layout.nodes):
+        d.mkdir(parents=True, exist_ok=True)
+    controlplane.ensure_pki(layout)
+    network.ensure_bridge(layout.bridge_owner, layout.saved_ip_forward)
+    layout.cluster_file.write_text(json.dumps(asdict(config)) + "\n")
+    for component in CONTROL_PLANE:
+        pid = component_pid(layout, component)
+        if pid is None:
+            argv = controlplane.command(component, layout, binaries)
+            pid = processes.start(argv, layout.log(component), layout.pid_file(component))
+            started.append(component)
+        healthy = functools.partial(controlplane.healthy, component, layout)
+        _wait(component, healthy, timeout, pid, layout.log(component))
+    since: dict[str, float | None] = {}
+    for name in config.node_names:
+        controlplane.ensure_node_pki(layout, name)
+        since[name] = None
+        if nodes.pid(layout, name) is None:
+            since[name] = time.time()
+            nodes.start(layout, name, config.shape)
+            started.append(name)
+    _wait_nodes_ready(layout, since, NODES_TIMEOUT)
+    _wait_default_service_account(layout, timeout)
 
 
 def _reset_logs(layout: Layout) -> None:
@@ -186,16 +202,17 @@ def _reset_logs(layout: Layout) -> None:
                 log.unlink()
 
 
-def _wait_nodes_ready(layout: Layout, names: list[str], timeout: float, since: float | None = None) -> None:
-    """Waits until every node in `names` is Ready; with `since` (a time.time()), only a Ready
-    condition heartbeat at or after it counts, so a restarted node is not taken for Ready on the
+def _wait_nodes_ready(layout: Layout, since: dict[str, float | None], timeout: float) -> None:
+    """Waits until every node in `since` is Ready. A node with a start time (time.time()) counts
+    only with a Ready heartbeat at or after it, so a restarted node is not taken for Ready on the
     strength of the status its previous nodelet posted."""
     client = ApiClient(layout)
+    names = list(since)
     deadline = time.monotonic() + timeout
     ready: dict[str, bool] = {}
     while time.monotonic() < deadline:
-        ready = client.node_ready(since)
-        if all(ready.get(n) for n in names):
+        ready = {n: client.node_ready(since[n]).get(n, False) for n in names}
+        if all(ready.values()):
             return
         for name in names:
             if nodes.pid(layout, name) is None:
@@ -329,6 +346,6 @@ def node_start(layout: Layout, name: str, timeout: float = NODES_TIMEOUT) -> int
         network.ensure_bridge(layout.bridge_owner, layout.saved_ip_forward)
         since = time.time()
         nodes.start(layout, name, config.shape)
-        _wait_nodes_ready(layout, [name], timeout, since)
+        _wait_nodes_ready(layout, {name: since}, timeout)
     print(f"devcluster: started {name}; it is Ready")
     return 0
