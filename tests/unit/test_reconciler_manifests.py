@@ -49,6 +49,7 @@ def test_worker_pod_has_the_design_names_labels_env_and_volume() -> None:
     assert trainer["securityContext"]["allowPrivilegeEscalation"] is False
     assert spec["securityContext"]["runAsNonRoot"] is True
     assert "schedulerName" not in spec
+    assert spec["automountServiceAccountToken"] is False, "workers need no API access"
 
 
 def test_template_is_not_mutated_by_building_pods() -> None:

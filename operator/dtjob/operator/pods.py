@@ -112,6 +112,9 @@ def worker_pod(job: JobView, rank: int, world_size: int, generation: int) -> dic
     # The operator restarts the whole gang; a kubelet restarting one worker in place would leave
     # it alone in a process group its peers already left.
     spec["restartPolicy"] = "Never"
+    # Workers need no API access (the operator reads their progress from their metrics port):
+    # no service account token unless the template asks for one.
+    spec.setdefault("automountServiceAccountToken", False)
     if job.scheduler_name:
         spec["schedulerName"] = job.scheduler_name
     if job.priority_class_name:

@@ -1,0 +1,107 @@
+"""Operator e2e on the devcluster: unplanned failures (a SIGKILLed worker, a killed operator)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from tests.e2e.conftest import Devcluster
+from tests.e2e.operator_harness import (
+    SCRATCH,
+    Operator,
+    apply,
+    condition,
+    events,
+    job_manifest,
+    operator_namespace,
+    pods,
+    sigkill_worker,
+    status,
+    step_log,
+    wait_phase,
+    wait_status,
+    wait_step,
+)
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def op(devcluster: Devcluster) -> Iterator[Operator]:
+    yield from operator_namespace("op-recover")
+
+
+def record(measurement: dict[str, object]) -> None:
+    """Measurements for the issue's report (also printed with -s)."""
+    print(json.dumps(measurement))
+    with (SCRATCH / "measurements.jsonl").open("a") as out:
+        out.write(json.dumps(measurement) + "\n")
+
+
+def test_sigkilled_worker_resumes_from_the_last_checkpoint_at_the_same_size(op: Operator) -> None:
+    steps = 60
+    apply(job_manifest(op, "kill", replicas=3, steps=steps, checkpoint_every=5))
+    wait_phase(op, "kill", "Running")
+    wait_step(op, "kill", 12)
+    killed_at = sigkill_worker(op, "kill", rank=1)
+
+    deadline = time.monotonic() + 150
+    first_new_step_at = None
+    while time.monotonic() < deadline and first_new_step_at is None:
+        if any(r.get("generation", 0) >= 1 for r in step_log(op, "kill")):
+            first_new_step_at = time.time()
+        time.sleep(0.2)
+    assert first_new_step_at is not None, "the next generation never logged a step"
+
+    done = wait_phase(op, "kill", "Succeeded")
+    assert (done["generation"], done["restarts"], done["replicas"], done["step"]) == (1, 1, 3, steps)
+    log = step_log(op, "kill")
+    before = [r["step"] for r in log if r["generation"] == 0]
+    after = [r["step"] for r in log if r["generation"] == 1]
+    resumed_from = after[0] - 1
+    assert resumed_from % 5 == 0 and resumed_from <= before[-1], "resumed from a checkpoint step"
+    assert after == list(range(after[0], steps + 1)), "the new generation runs every remaining step once"
+    assert {r["world_size"] for r in log} == {3}
+    assert any(e["reason"] == "WorkerFailed" for e in events(op, "kill"))
+    record(
+        {
+            "measure": "sigkill_to_next_generation_first_step_seconds",
+            "value": round(first_new_step_at - killed_at, 1),
+            "steps_lost_unplanned": before[-1] - resumed_from,
+        }
+    )
+
+
+def test_operator_killed_during_a_gang_restart_converges_without_duplicates(op: Operator) -> None:
+    steps = 60
+    apply(job_manifest(op, "crash", replicas=3, steps=steps, checkpoint_every=5))
+    wait_phase(op, "crash", "Running")
+    wait_step(op, "crash", 8)
+    sigkill_worker(op, "crash", rank=2)
+    wait_status(op, "crash", "a gang restart under way", lambda s: s.get("generation", 0) >= 1)
+    op.kill()
+    generations_seen: list[set[str]] = []
+    for _ in range(6):  # the operator is down: nothing may create a second gang
+        generations_seen.append(
+            {p["metadata"]["labels"]["training.dtjob.io/generation"] for p in pods(op, "crash")}
+        )
+        time.sleep(0.5)
+    op.start()
+    deadline = time.monotonic() + 150
+    while time.monotonic() < deadline and status(op, "crash").get("phase") != "Succeeded":
+        current = pods(op, "crash")
+        generations_seen.append({p["metadata"]["labels"]["training.dtjob.io/generation"] for p in current})
+        assert len(current) <= 3, f"more pods than workers: {[p['metadata']['name'] for p in current]}"
+        time.sleep(1.0)
+    done = wait_phase(op, "crash", "Succeeded", timeout=10)
+    assert (done["generation"], done["restarts"], done["step"]) == (1, 1, steps)
+    assert all(len(g) <= 1 for g in generations_seen), f"two generations' pods at once: {generations_seen}"
+    final = pods(op, "crash")
+    assert sorted(p["metadata"]["name"] for p in final) == [f"crash-worker-{r}" for r in range(3)]
+    for pod in final:
+        assert pod["metadata"]["labels"]["training.dtjob.io/generation"] == "1"
+        assert pod["metadata"]["ownerReferences"][0]["name"] == "crash"
+    assert condition(done, "Succeeded")["status"] == "True"
