@@ -18,6 +18,7 @@ import gc
 import os
 import socket
 import tempfile
+import time
 import traceback
 from typing import Any
 
@@ -100,7 +101,7 @@ def live_tensor_bytes() -> int:
     seen: set[int] = set()
     total = 0
     for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
+        if issubclass(type(obj), torch.Tensor) and obj.device.type == "cpu":  # type(): no __getattr__
             storage = obj.untyped_storage()
             ptr = storage.data_ptr()
             if ptr and ptr not in seen:
@@ -109,18 +110,62 @@ def live_tensor_bytes() -> int:
     return total
 
 
+def _shards_to_plain(strategy: Any, prefix: str = "") -> dict[str, tuple[Any, int, torch.Tensor]]:
+    return {
+        k: (s.global_shape, s.offset, s.local.detach().clone())
+        for k, s in strategy.state_shards().items()
+        if k.startswith(prefix)
+    }
+
+
+def assemble_flat(
+    per_rank: list[dict[str, tuple[Any, int, torch.Tensor]]], what: str
+) -> dict[str, torch.Tensor]:
+    """Global flat tensors from every rank's shards; asserts each element is written exactly once."""
+    tensors: dict[str, torch.Tensor] = {}
+    counts: dict[str, torch.Tensor] = {}
+    for shards in per_rank:
+        for key, (shape, offset, local) in shards.items():
+            if key not in tensors:
+                numel = 1
+                for d in shape:
+                    numel *= d
+                tensors[key] = torch.zeros(numel, dtype=local.dtype)
+                counts[key] = torch.zeros(numel, dtype=torch.int32)
+            tensors[key][offset : offset + local.numel()] = local
+            counts[key][offset : offset + local.numel()] += 1
+    for key, c in counts.items():
+        assert bool((c == 1).all()), f"{what}: {key} elements covered {c.min()}..{c.max()} times, not once"
+    return tensors
+
+
+def _load_checkpoint(strategy: Any, directory: str) -> None:
+    files = sorted(f for f in os.listdir(directory) if f.startswith("rank"))
+    saved = [torch.load(os.path.join(directory, f)) for f in files]
+    flat = assemble_flat([s["shards"] for s in saved], directory)
+
+    def fetch(key: str, start: int, length: int) -> torch.Tensor:
+        return flat[key][start : start + length].clone()
+
+    strategy.load_state_shards(fetch, saved[0]["extra"])
+
+
 def _run_case(case: dict[str, Any]) -> dict[str, Any]:
     from dtjob.trainer.parallel import ParallelConfig, parallelize
 
+    started = time.perf_counter()
     baseline = live_tensor_bytes() if case.get("measure") == "memory" else 0
     model = build_model(case)
     n_params = sum(p.numel() for p in model.parameters())
     config = ParallelConfig(**case.get("config", {}))
     strategy = parallelize(model, config, lambda params: make_optimizer(case, params))
     del model
+    if case.get("load_from"):
+        _load_checkpoint(strategy, case["load_from"])
+    extras = [strategy.extra_state()] if case.get("load_from") else []
     losses = []
     memory: list[int] = []
-    for step in range(case.get("steps", 10)):
+    for step in range(case.get("start_step", 0), case.get("steps", 10)):
         x, y = global_batch(case, step)
         rows = x.shape[0] // strategy.data_parallel_size
         lo = strategy.data_parallel_rank * rows
@@ -128,12 +173,19 @@ def _run_case(case: dict[str, Any]) -> dict[str, Any]:
         del x, y
         if case.get("measure") == "memory":
             memory.append(live_tensor_bytes() - baseline)
-    shards = {
-        k: (s.global_shape, s.offset, s.local.detach().clone())
-        for k, s in strategy.state_shards().items()
-        if k.startswith("model.")
+    if case.get("save_to"):
+        os.makedirs(case["save_to"], exist_ok=True)
+        saved = {"shards": _shards_to_plain(strategy), "extra": strategy.extra_state()}
+        torch.save(saved, os.path.join(case["save_to"], f"rank{dist.get_rank()}.pt"))
+    extras.append(strategy.extra_state())
+    result: dict[str, Any] = {
+        "losses": losses,
+        "shards": _shards_to_plain(strategy, "model."),
+        "extras": extras,
+        "n_params": n_params,
+        "memory": memory,
+        "seconds": time.perf_counter() - started,
     }
-    result: dict[str, Any] = {"losses": losses, "shards": shards, "n_params": n_params, "memory": memory}
     peak = getattr(strategy, "peak_live_microbatches", None)
     if peak is not None:
         result["peak_live_microbatches"] = peak
@@ -173,8 +225,6 @@ def run_world(world_size: int, cases: list[dict[str, Any]], timeout: float = 300
             join=False,
             start_method="spawn",
         )
-        import time
-
         deadline = time.monotonic() + timeout
         while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
             if time.monotonic() > deadline:
@@ -186,23 +236,10 @@ def run_world(world_size: int, cases: list[dict[str, Any]], timeout: float = 300
 
 def assemble(rank_results: list[dict[str, Any]], case: str) -> dict[str, torch.Tensor]:
     """Global parameters from every rank's shards; asserts each element is written exactly once."""
-    tensors: dict[str, torch.Tensor] = {}
-    counts: dict[str, torch.Tensor] = {}
-    for result in rank_results:
-        for key, (shape, offset, local) in result[case]["shards"].items():
-            name = key.removeprefix("model.")
-            if name not in tensors:
-                numel = 1
-                for d in shape:
-                    numel *= d
-                tensors[name] = torch.zeros(numel, dtype=local.dtype)
-                counts[name] = torch.zeros(numel, dtype=torch.int32)
-            tensors[name][offset : offset + local.numel()] = local
-            counts[name][offset : offset + local.numel()] += 1
-    for name, c in counts.items():
-        assert bool((c == 1).all()), f"{case}: {name} elements covered {c.min()}..{c.max()} times, not once"
-    shapes = {k.removeprefix("model."): s for r in rank_results for k, (s, _, _) in r[case]["shards"].items()}
-    return {n: t.view(shapes[n]) for n, t in tensors.items()}
+    per_rank = [r[case]["shards"] for r in rank_results]
+    flat = assemble_flat(per_rank, case)
+    shapes = {k: shape for shards in per_rank for k, (shape, _, _) in shards.items()}
+    return {k.removeprefix("model."): t.view(shapes[k]) for k, t in flat.items()}
 
 
 def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -221,10 +258,11 @@ def check_against_reference(
     for r, result in enumerate(rank_results):
         assert "error" not in result.get(name, {}), f"rank {r}: {result[name]['error']}"
     ref_losses, ref_params = reference(case)
+    ref_losses = ref_losses[case.get("start_step", 0) :]
     losses = [r[name]["losses"] for r in rank_results]
     for r, rank_losses in enumerate(losses):
         assert rank_losses == losses[0], f"{name}: rank {r} losses {rank_losses} differ from rank 0's"
-    assert len(losses[0]) == len(ref_losses) >= 10
+    assert len(losses[0]) == len(ref_losses) >= (10 if "start_step" not in case else 1)
     for step, (got, want) in enumerate(zip(losses[0], ref_losses, strict=True)):
         assert abs(got - want) <= tolerance * abs(want), f"{name}: step {step} loss {got} vs reference {want}"
     params = assemble(rank_results, name)

@@ -1,100 +1,78 @@
-"""DDP and ZeRO-1/2/3 against single-process training, in real gloo groups of 2, 3 and 4 ranks.
+"""DDP and ZeRO-1/2/3 in real gloo groups of 2, 3 and 4 ranks, against single-process training.
 
-One process group per world size runs every case (spawning costs seconds here); each test then
-checks one case's results: the loss of every step and the final parameters (assembled from the
-ranks' checkpoint shards, each element exactly once) within 1e-5 relative of the reference.
+One process group per world size runs every case (spawning costs seconds here; see
+_parallel_cases.py); each test checks one case: the loss of every step and the final parameters
+(assembled from the ranks' checkpoint shards, each element exactly once) within 1e-5 relative.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib
-import os
 from typing import Any
 
 import pytest
 
+from tests.trainer import _parallel_cases as pc
 from tests.trainer import _parallel_harness as h
 
 pytestmark = pytest.mark.slow
 
-
-def available_algorithms() -> list[str]:
-    """native always; ring/hd/auto once dtjob.trainer.collectives provides them.
-
-    DTJOB_TEST_ALGORITHMS=native,ring narrows the set while debugging.
-    """
-    if os.environ.get("DTJOB_TEST_ALGORITHMS"):
-        return os.environ["DTJOB_TEST_ALGORITHMS"].split(",")
-    try:
-        collectives = importlib.import_module("dtjob.trainer.collectives")
-    except ImportError:
-        return ["native"]
-    needed = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "broadcast")
-    if all(hasattr(collectives, f) for f in needed):
-        return ["native", "ring", "hd", "auto"]
-    return ["native"]
-
-
-ALGORITHMS = available_algorithms()
 WORLD_SIZES = (2, 3, 4)
 
 
-def ddp_cases(world: int) -> list[dict[str, Any]]:
-    cases = []
-    for algo in ALGORITHMS:
-        # Small buckets (~4 KiB) so the GPT's gradients travel in several overlapped buckets.
-        cfg = {"strategy": "ddp", "collective": algo, "ddp_bucket_mb": 0.004, "ddp_first_bucket_mb": 0.001}
-        cases.append({"name": f"ddp-{algo}", "config": cfg})
-    cases += [
-        {"name": "ddp-clip", "config": {"strategy": "ddp", "collective": "native", "grad_clip": 0.05}},
-        {"name": "ddp-accum", "config": {"strategy": "ddp", "collective": "native", "grad_accum": 2}},
-        {
-            "name": "ddp-ckpt-mlp-sgd",
-            "model": "mlp",
-            "optimizer": "sgd",
-            "config": {"strategy": "ddp", "collective": ALGORITHMS[-1], "activation_checkpointing": True},
-        },
-    ]
-    return cases
+def _data_parallel(world: int) -> list[str]:
+    return [c["name"] for c in pc.exact_cases(world) if not c["name"].startswith("pp")]
 
 
-LOOSE_CASES = [  # lossy on purpose: checked against the reference with a loose tolerance
-    {
-        "name": "ddp-compress-bf16",
-        "config": {"strategy": "ddp", "grad_compression": "bf16", "collective": "native"},
-    },
-    {
-        "name": "ddp-compress-fp16",
-        "config": {"strategy": "ddp", "grad_compression": "fp16", "collective": "native"},
-    },
-    {
-        "name": "ddp-precision-bf16",
-        "config": {"strategy": "ddp", "precision": "bf16", "collective": "native"},
-    },
-]
+@pytest.mark.parametrize(("world", "name"), [(w, n) for w in WORLD_SIZES for n in _data_parallel(w)])
+def test_matches_single_process(world: int, name: str) -> None:
+    h.check_against_reference(pc.results(world), pc.case(world, name))
 
 
-def cases_for(world: int) -> list[dict[str, Any]]:
-    return ddp_cases(world) + (LOOSE_CASES if world == 2 else [])
+@pytest.mark.parametrize("name", [c["name"] for c in pc.LOSSY_CASES])
+def test_lossy_options_stay_close(name: str) -> None:
+    # bf16 has an 8-bit mantissa (~4e-3 relative); after 10 Adam steps the losses and the whole
+    # parameter vector stay within 2% of fp32.
+    h.check_against_reference(pc.results(2), pc.case(2, name), tolerance=2e-2, per_tensor=False)
 
 
-@functools.cache
-def results(world: int) -> list[dict[str, Any]]:
-    return h.run_world(world, cases_for(world))
+def _memory_formula(name: str, n_params: int, world: int) -> int:
+    """Bytes per rank by the ZeRO paper's accounting, for fp32 weights and Adam (two states):
+    parameters 4 bytes, gradients 4, optimizer state 8 per parameter, each divided by N where
+    sharded. DDP 16, ZeRO-1 4 + 4 + 8/N, ZeRO-2 4 + (4 + 8)/N, ZeRO-3 16/N."""
+    per_param = {
+        "mem-ddp": 16,
+        "mem-zero1": 4 + 4 + 8 / world,
+        "mem-zero2": 4 + (4 + 8) / world,
+        "mem-zero3": 16 / world,
+    }[name]
+    return int(per_param * n_params)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("name", [c["name"] for c in pc.memory_cases()])
+def test_model_state_bytes_follow_zero_formulas(world: int, name: str) -> None:
+    results = pc.results(world)
+    for rank, result in enumerate(results):
+        r: dict[str, Any] = result[name]
+        assert "error" not in r, r.get("error")
+        expected = _memory_formula(name, r["n_params"], world)
+        held = r["memory"][-1]  # every tensor reachable between steps, minus what was there before
+        assert abs(held - expected) <= 0.10 * expected, (
+            f"{name} rank {rank}: holds {held} bytes between steps, formula says {expected}"
+        )
+        assert r["memory"][0] == r["memory"][-1], f"{name}: held bytes change between steps"
 
 
 @pytest.mark.parametrize(
-    ("world", "case"),
-    [(w, c) for w in WORLD_SIZES for c in ddp_cases(w)],
-    ids=lambda v: v["name"] if isinstance(v, dict) else f"world{v}",
+    ("world", "name"), [(w, c["name"]) for w in (3, 4) for c in pc.resume_cases(w) if "pp" not in c["name"]]
 )
-def test_matches_single_process(world: int, case: dict[str, Any]) -> None:
-    h.check_against_reference(results(world), case)
+def test_resumes_at_another_world_size(world: int, name: str) -> None:
+    """Saved at world 2 after 5 steps, loaded here (resharded), steps 5..9 match the reference."""
+    h.check_against_reference(pc.results(world), pc.case(world, name))
 
 
-@pytest.mark.parametrize("case", LOOSE_CASES, ids=lambda c: c["name"])
-def test_lossy_options_stay_close(case: dict[str, Any]) -> None:
-    # bf16 has an 8-bit mantissa (~4e-3 relative); after 10 Adam steps the losses and the whole
-    # parameter vector stay within 2% of fp32.
-    h.check_against_reference(results(2), case, tolerance=2e-2, per_tensor=False)
+def test_extra_state_is_identical_on_every_rank() -> None:
+    for name in ("ddp-native", "zero3-native", "zero1-accum-clip"):
+        extras = [r[name]["extras"][-1] for r in pc.results(3)]
+        assert extras[0]["optim"]["tensor_states"] == ["exp_avg", "exp_avg_sq"]
+        assert all(e == extras[0] for e in extras), name

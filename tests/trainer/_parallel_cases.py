@@ -1,0 +1,170 @@
+"""The cases each spawned world runs (see _parallel_harness.py), and their cached results.
+
+Three process groups for the whole suite: worlds of 2, 3 and 4 ranks. World 2 also writes
+checkpoints that worlds 3 and 4 resume from (resharding across world sizes).
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import importlib
+import os
+import shutil
+import tempfile
+from typing import Any
+
+from tests.trainer import _parallel_harness as h
+
+
+def available_algorithms() -> list[str]:
+    """native always; ring/hd/auto once dtjob.trainer.collectives provides them.
+
+    DTJOB_TEST_ALGORITHMS=native,ring narrows the set while debugging.
+    """
+    if os.environ.get("DTJOB_TEST_ALGORITHMS"):
+        return os.environ["DTJOB_TEST_ALGORITHMS"].split(",")
+    try:
+        collectives = importlib.import_module("dtjob.trainer.collectives")
+    except ImportError:
+        return ["native"]
+    needed = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "broadcast")
+    if all(hasattr(collectives, f) for f in needed):
+        return ["native", "ring", "hd", "auto"]
+    return ["native"]
+
+
+ALGORITHMS = available_algorithms()
+CHECKPOINTS = tempfile.mkdtemp(prefix="dtjob-parallel-test-")
+atexit.register(shutil.rmtree, CHECKPOINTS, ignore_errors=True)
+
+# A model big enough (~110K parameters) that padding and bookkeeping are noise next to
+# 16 bytes per parameter, still quick on two shared cores.
+MEMORY_MODEL = {"vocab": 64, "width": 64, "depth": 2, "heads": 4, "seq_len": 16}
+
+
+def _c(name: str, **config: Any) -> dict[str, Any]:
+    return {"name": name, "config": config}
+
+
+def exact_cases(world: int) -> list[dict[str, Any]]:
+    """Cases that must match single-process training to 1e-5."""
+    cases = []
+    for algo in ALGORITHMS:
+        # Small buckets (~1 and ~4 KiB) so DDP's gradients travel in several overlapped buckets.
+        cases.append(
+            _c(f"ddp-{algo}", strategy="ddp", collective=algo, ddp_bucket_mb=0.004, ddp_first_bucket_mb=0.001)
+        )
+        for stage in (1, 2, 3):
+            cases.append(_c(f"zero{stage}-{algo}", strategy="fsdp", zero_stage=stage, collective=algo))
+    last = ALGORITHMS[-1]
+    cases += [
+        _c("ddp-clip", strategy="ddp", collective=last, grad_clip=0.05),
+        _c("ddp-accum", strategy="ddp", collective=last, grad_accum=2),
+        _c("zero1-accum-clip", strategy="fsdp", zero_stage=1, collective=last, grad_accum=2, grad_clip=0.05),
+        _c("zero2-clip", strategy="fsdp", zero_stage=2, collective=last, grad_clip=0.05),
+        _c("zero3-accum-clip", strategy="fsdp", zero_stage=3, collective=last, grad_accum=2, grad_clip=0.05),
+        _c("zero3-noprefetch", strategy="fsdp", zero_stage=3, collective=last, zero3_prefetch=False),
+        {**_c("ddp-ckpt", strategy="ddp", collective=last, activation_checkpointing=True), "model": "mlp"},
+        {
+            **_c(
+                "zero3-ckpt-sgd",
+                strategy="fsdp",
+                zero_stage=3,
+                collective=last,
+                activation_checkpointing=True,
+            ),
+            "model": "mlp",
+            "optimizer": "sgd",
+        },
+    ]
+    layouts = {2: [2], 3: [], 4: [4, 2]}[world]  # stages P; world 4 with P=2 is DP x PP = 2 x 2
+    for stages in layouts:
+        for schedule in ("gpipe", "1f1b"):
+            for algo in ALGORITHMS:
+                cases.append(
+                    _c(
+                        f"pp{stages}-{schedule}-{algo}",
+                        strategy="pipeline",
+                        pipeline_stages=stages,
+                        microbatches=4,
+                        schedule=schedule,
+                        collective=algo,
+                    )
+                )
+        cases.append(
+            _c(
+                f"pp{stages}-ckpt-accum-clip",
+                strategy="pipeline",
+                pipeline_stages=stages,
+                microbatches=2,
+                schedule="1f1b",
+                collective=last,
+                activation_checkpointing=True,
+                grad_accum=2,
+                grad_clip=0.05,
+            )
+        )
+    return cases
+
+
+LOSSY_CASES = [  # checked against the reference with a loose tolerance
+    _c("lossy-ddp-compress-bf16", strategy="ddp", grad_compression="bf16", collective="native"),
+    _c("lossy-ddp-compress-fp16", strategy="ddp", grad_compression="fp16", collective="native"),
+    _c("lossy-ddp-bf16", strategy="ddp", precision="bf16", collective="native"),
+    _c("lossy-zero3-bf16", strategy="fsdp", zero_stage=3, precision="bf16", collective="native"),
+    _c("lossy-pp2-bf16", strategy="pipeline", pipeline_stages=2, precision="bf16", collective="native"),
+]
+
+
+def memory_cases() -> list[dict[str, Any]]:
+    cases = [_c("mem-ddp", strategy="ddp", collective="native")]
+    cases += [_c(f"mem-zero{s}", strategy="fsdp", zero_stage=s, collective="native") for s in (1, 2, 3)]
+    return [{**c, "model_kwargs": MEMORY_MODEL, "steps": 2, "measure": "memory"} for c in cases]
+
+
+# Resharding: train 5 steps at world 2 and save; resume at world 3 or 4 for steps 5..9.
+SAVES = [
+    {**_c("save-ddp", strategy="ddp", collective="native"), "steps": 5},
+    {**_c("save-zero3", strategy="fsdp", zero_stage=3, collective="native"), "steps": 5},
+    {**_c("save-pp2", strategy="pipeline", pipeline_stages=2, collective="native"), "steps": 5},
+]
+
+
+def resume_cases(world: int) -> list[dict[str, Any]]:
+    def resume(name: str, source: str, **config: Any) -> dict[str, Any]:
+        return {**_c(name, **config), "start_step": 5, "load_from": os.path.join(CHECKPOINTS, source)}
+
+    if world == 3:
+        return [
+            resume("resume-ddp2-as-zero2", "save-ddp", strategy="fsdp", zero_stage=2, collective="native"),
+            resume("resume-zero3", "save-zero3", strategy="fsdp", zero_stage=3, collective="native"),
+        ]
+    if world == 4:
+        return [
+            resume("resume-zero3-as-ddp", "save-zero3", strategy="ddp", collective="native"),
+            resume(
+                "resume-pp2-as-2x2", "save-pp2", strategy="pipeline", pipeline_stages=2, collective="native"
+            ),
+        ]
+    return []
+
+
+def cases_for(world: int) -> list[dict[str, Any]]:
+    cases = exact_cases(world) + resume_cases(world)
+    if world in (2, 4):
+        cases += memory_cases()
+    if world == 2:
+        cases += LOSSY_CASES + [{**c, "save_to": os.path.join(CHECKPOINTS, c["name"])} for c in SAVES]
+    return cases
+
+
+@functools.cache
+def results(world: int) -> list[dict[str, Any]]:
+    if resume_cases(world):
+        results(2)  # writes the checkpoints the resume cases read
+    return h.run_world(world, cases_for(world))
+
+
+def case(world: int, name: str) -> dict[str, Any]:
+    return next(c for c in cases_for(world) if c["name"] == name)
