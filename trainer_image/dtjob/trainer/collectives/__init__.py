@@ -10,7 +10,13 @@ Same signatures, in-place behaviour and argument order as torch.distributed, plu
 gloo and NCCL, any group, any world size, any length; results are bitwise identical on every rank.
 """
 
-from dtjob.trainer.collectives.api import all_gather_into_tensor, all_reduce, broadcast, reduce_scatter_tensor
+from dtjob.trainer.collectives.api import (
+    all_gather_into_tensor,
+    all_reduce,
+    broadcast,
+    last_algorithm,
+    reduce_scatter_tensor,
+)
 from dtjob.trainer.collectives.selection import ALGORITHMS, ENV_VAR
 from dtjob.trainer.collectives.work import CollectiveWork, forget_groups
 
@@ -22,5 +28,6 @@ __all__ = [
     "all_reduce",
     "broadcast",
     "forget_groups",
+    "last_algorithm",
     "reduce_scatter_tensor",
 ]

@@ -30,8 +30,8 @@ def _group(group: ProcessGroup | None, name: str) -> ProcessGroup | None:
         world = dist.group.WORLD
         assert isinstance(world, ProcessGroup)
         return world
-    if group is dist.GroupMember.NON_GROUP_MEMBER:
-        return None
+    if not isinstance(group, ProcessGroup) and group == dist.GroupMember.NON_GROUP_MEMBER:
+        return None  # what new_group() hands a rank outside the group
     if not isinstance(group, ProcessGroup):
         raise TypeError(f"{name}: group must be a ProcessGroup from new_group() or None, got {group!r}")
     return group
@@ -65,10 +65,11 @@ def _algorithm(op: str, algorithm: str) -> str:
 def _resolve(
     op: str, algorithm: str, runner: GroupRunner, comm: Comm, nbytes: int, dtype: torch.dtype
 ) -> str:
-    if algorithm != "auto":
-        return algorithm
-    model = cost_model(runner, comm)
-    return selection.choose(op, nbytes, comm.size, str(dtype).removeprefix("torch."), model)
+    if algorithm == "auto":
+        model = cost_model(runner, comm)
+        algorithm = selection.choose(op, nbytes, comm.size, str(dtype).removeprefix("torch."), model)
+    runner.last_algorithm[op] = algorithm
+    return algorithm
 
 
 def _flat(tensor: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -253,4 +254,10 @@ def broadcast(
     return _submit(runner, job, async_op, [tensor])
 
 
-__all__ = ["all_gather_into_tensor", "all_reduce", "broadcast", "reduce_scatter_tensor"]
+def last_algorithm(op: str, group: ProcessGroup | None = None) -> str | None:
+    """The algorithm the latest `op` call ("allreduce", "reduce_scatter", ...) on `group` ran."""
+    pg = _group(group, "last_algorithm")
+    return None if pg is None else runner_for(pg).last_algorithm.get(op)
+
+
+__all__ = ["all_gather_into_tensor", "all_reduce", "broadcast", "last_algorithm", "reduce_scatter_tensor"]

@@ -1,0 +1,72 @@
+"""dtjob's collectives against torch.distributed, in real multi-process gloo groups on localhost.
+
+Each test starts one world (a forked process per rank) and runs a whole scenario inside it; see
+collectives_scenarios.py for what every rank does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.trainer.collectives_harness import run_world
+
+
+def _assert_clean(results: list[dict[str, Any]]) -> None:
+    failures = [f"rank {rank}: {f}" for rank, r in enumerate(results) for f in r["failures"]]
+    assert not failures, "\n".join(failures)
+    assert all(r["cases"] > 0 for r in results), "a scenario checked nothing"
+
+
+def _assert_same_bits_everywhere(results: list[dict[str, Any]], ranks: list[int] | None = None) -> None:
+    chosen = [results[r] for r in (ranks if ranks is not None else range(len(results)))]
+    keys = chosen[0]["digests"].keys()
+    assert keys, "no results were recorded"
+    differing = [k for k in keys if len({r["digests"][k] for r in chosen}) != 1]
+    assert not differing, f"results differ across ranks for {differing[:10]}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5, 6, 7, 8])
+def test_every_op_dtype_algorithm_and_length_matches_torch(world_size: int) -> None:
+    results = run_world(world_size, "matrix")
+    _assert_clean(results)
+    _assert_same_bits_everywhere(results)
+
+
+@pytest.mark.slow
+def test_subgroups_of_six_ranks_run_side_by_side() -> None:
+    results = run_world(6, "subgroup")
+    _assert_clean(results)
+    assert [r["members"] for r in results] == [
+        (0, 2, 5),
+        (1, 3, 4),
+        (0, 2, 5),
+        (1, 3, 4),
+        (1, 3, 4),
+        (0, 2, 5),
+    ]
+    _assert_same_bits_everywhere(results, [1, 3, 4])
+    _assert_same_bits_everywhere(results, [0, 2, 5])
+
+
+def test_async_calls_in_flight_do_not_interfere() -> None:
+    _assert_clean(run_world(3, "concurrent"))
+
+
+def test_hundreds_of_small_calls_in_a_row() -> None:
+    _assert_clean(run_world(4, "many_small", 300))
+
+
+def test_bad_arguments_raise_clear_errors_and_odd_layouts_work() -> None:
+    _assert_clean(run_world(2, "errors_and_layouts"))
+
+
+def test_a_dead_peer_makes_the_call_raise_instead_of_hanging() -> None:
+    # A 5 s process-group timeout: ranks that wait on the dead rank's neighbours give up then.
+    results = run_world(3, "dead_peer", pg_timeout_s=5.0, timeout_s=120.0)
+    assert results[2] is None, "rank 2 was meant to die"
+    for rank in (0, 1):
+        for call in ("ring", "hd-async"):
+            assert results[rank][call].startswith("raised"), f"rank {rank} {call}: {results[rank]}"

@@ -1,0 +1,123 @@
+"""Pure parts of the collectives: the cost model's choice, DTJOB_COLLECTIVE_ALGO, chunk layouts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dtjob.trainer.collectives.comm import balanced_bounds
+from dtjob.trainer.collectives.halving_doubling import Fold
+from dtjob.trainer.collectives.reduce_ops import Reduction
+from dtjob.trainer.collectives.selection import ALGORITHMS, CostModel, choose, parse_override, predict
+
+# A loopback-like group: 50 us per message, 2.5 GB/s per link, 4 GB/s float32 adds.
+MODEL = CostModel(alpha=50e-6, beta=0.4e-9, gamma={"float32": 0.25e-9, "bfloat16": 1e-9})
+KiB, MiB = 1 << 10, 1 << 20
+
+
+def test_tiny_all_reduce_takes_the_fewest_rounds() -> None:
+    # 4 KiB: latency dominates, so log2(p) full swaps beat 2(p-1) ring steps and 2 log2(p) HD steps.
+    assert choose("allreduce", 4 * KiB, 4, "float32", MODEL) == "rd"
+    assert choose("allreduce", 4 * KiB, 8, "float32", MODEL) == "rd"
+
+
+def test_large_all_reduce_on_odd_world_sizes_takes_the_ring() -> None:
+    # HD's fold moves the whole vector twice more when n is not a power of two.
+    assert choose("allreduce", 64 * MiB, 6, "float32", MODEL) == "ring"
+    assert choose("allreduce", 64 * MiB, 3, "float32", MODEL) == "ring"
+
+
+def test_large_all_reduce_on_powers_of_two_avoids_recursive_doubling() -> None:
+    assert choose("allreduce", 64 * MiB, 8, "float32", MODEL) in ("ring", "hd")
+
+
+def test_bandwidth_heavy_model_moves_the_crossover_up() -> None:
+    slow_links = CostModel(alpha=5e-6, beta=5e-9, gamma={"float32": 0.25e-9})
+    # Latency is cheap here, so the ring's bandwidth-optimal steps win earlier than with MODEL.
+    sizes = [2**k for k in range(10, 27)]
+
+    def first_ring(model: CostModel) -> int:
+        return next(s for s in sizes if choose("allreduce", s, 6, "float32", model) == "ring")
+
+    assert first_ring(slow_links) < first_ring(MODEL)
+
+
+def test_broadcast_uses_the_tree_for_small_and_scatter_allgather_for_large() -> None:
+    assert choose("broadcast", 1 * KiB, 8, "float32", MODEL) == "tree"
+    assert choose("broadcast", 64 * MiB, 8, "float32", MODEL) in ("ring", "hd")
+
+
+def test_predictions_are_zero_for_one_rank_or_no_bytes_and_grow_with_size() -> None:
+    for op, algos in ALGORITHMS.items():
+        for algo in algos:
+            assert predict(op, algo, 1 * MiB, 1, "float32", MODEL) == 0.0
+            assert predict(op, algo, 0, 4, "float32", MODEL) == 0.0
+            assert predict(op, algo, 1 * MiB, 5, "float32", MODEL) < predict(
+                op, algo, 8 * MiB, 5, "float32", MODEL
+            )
+
+
+def test_slower_reduction_dtype_costs_more() -> None:
+    assert predict("allreduce", "ring", 8 * MiB, 4, "bfloat16", MODEL) > predict(
+        "allreduce", "ring", 8 * MiB, 4, "float32", MODEL
+    )
+
+
+def test_override_parsing() -> None:
+    assert parse_override("allreduce:hd;reduce_scatter:ring") == {"allreduce": "hd", "reduce_scatter": "ring"}
+    assert parse_override(" all_reduce : RD ; ") == {"allreduce": "rd"}
+    assert parse_override("ring") == {op: "ring" for op in ALGORITHMS}
+    assert parse_override("tree") == {"broadcast": "tree"}
+    assert parse_override("allgather:auto") == {}
+    assert parse_override("") == {}
+    assert parse_override("all_gather_into_tensor:hd,broadcast:ring") == {
+        "allgather": "hd",
+        "broadcast": "ring",
+    }
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ("allreduce:tree", "allreduce has no algorithm 'tree'"),
+        ("alltoall:ring", "unknown collective 'alltoall'"),
+        ("bogus", "unknown algorithm 'bogus'"),
+    ],
+)
+def test_override_errors_name_the_variable_and_the_choices(text: str, words: str) -> None:
+    with pytest.raises(ValueError, match="DTJOB_COLLECTIVE_ALGO") as raised:
+        parse_override(text)
+    assert words in str(raised.value)
+
+
+def test_balanced_bounds_cover_everything_with_sizes_differing_by_at_most_one() -> None:
+    for numel in (0, 1, 3, 7, 8, 100_003):
+        for parts in (1, 3, 4, 8):
+            b = balanced_bounds(numel, parts)
+            sizes = [b[i + 1] - b[i] for i in range(parts)]
+            assert b[0] == 0 and b[-1] == numel and len(b) == parts + 1
+            assert max(sizes) - min(sizes) <= 1
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 6, 7, 8])
+def test_fold_maps_every_rank_to_one_power_of_two_block(n: int) -> None:
+    fold = Fold(n)
+    assert fold.p & (fold.p - 1) == 0 and fold.p <= n < 2 * fold.p
+    virtual = [fold.virtual(r) for r in range(n)]
+    active = [v for v in virtual if v is not None]
+    assert sorted(active) == list(range(fold.p))
+    assert all(fold.virtual(fold.real(v)) == v for v in range(fold.p))
+    # Blocks are the contiguous union of their real ranks' chunks.
+    bounds = list(range(0, 10 * (n + 1), 10))
+    vb = fold.block_bounds(bounds)
+    assert vb[0] == 0 and vb[-1] == bounds[-1] and vb == sorted(vb)
+
+
+def test_integer_average_is_refused_like_torch() -> None:
+    with pytest.raises(TypeError, match="AVG"):
+        Reduction(dist.ReduceOp.AVG, torch.int64)
+    avg = Reduction(dist.ReduceOp.AVG, torch.float32)
+    chunk = torch.tensor([3.0, 6.0])
+    avg.finish(chunk, 3)
+    assert chunk.tolist() == [1.0, 2.0]
