@@ -32,7 +32,9 @@ def losses(steps: list[dict[str, Any]]) -> dict[int, float]:
     return {int(s["step"]): float(s["loss"]) for s in steps}
 
 
-@pytest.mark.parametrize("strategy", [["--strategy", "ddp"]], ids=["ddp"])
+@pytest.mark.parametrize(
+    "strategy", [["--strategy", "ddp"], ["--strategy", "fsdp", "--zero-stage", "3"]], ids=["ddp", "zero3"]
+)
 def test_resume_at_other_world_sizes_continues_the_same_trajectory(
     tmp_path: Path, strategy: list[str]
 ) -> None:

@@ -146,7 +146,8 @@ def _parser() -> argparse.ArgumentParser:
         meta = f.metadata
         help_ = f"{meta['help']} [env {env_of(name)}; default {f.default}]"
         # Defaults are applied later (flag > env > default), so every flag parses to None when absent.
-        parser.add_argument(flag_of(name), dest=name, metavar=name.upper(), default=None, help=help_)
+        metavar = "{" + ",".join(meta["choices"]) + "}" if meta["choices"] else name.upper()
+        parser.add_argument(flag_of(name), dest=name, metavar=metavar, default=None, help=help_)
     return parser
 
 
@@ -215,6 +216,13 @@ def validate(c: TrainerConfig) -> None:
             f"{_where('pipeline_stages')}={c.pipeline_stages}; run a multiple of the stage count",
         )
         _require(c.microbatches >= 1, f"{_where('microbatches')} must be at least 1")
+        # The pipeline cuts the model's blocks: GPT = embedding + layers + head, MLP = embedding + layers.
+        blocks = c.layers + (2 if c.model == "gpt" else 1)
+        _require(
+            c.pipeline_stages <= blocks,
+            f"{_where('pipeline_stages')}={c.pipeline_stages} exceeds the {blocks} blocks of the model; "
+            f"raise {_where('layers')} or use fewer stages",
+        )
         replicas = c.world_size // c.pipeline_stages
     _require(
         c.global_batch_size % replicas == 0,
