@@ -105,9 +105,9 @@ class Conditions:
         old = self._items.get(kind)
         if old is not None and old["status"] == status and old.get("reason", "") == reason:
             return
-        item: Obj = {"type": kind, "status": status, "lastProbeTime": None, "lastTransitionTime": now()}
-        if reason:
-            item["reason"] = reason
+        # reason None (null) deletes an earlier reason: status reports are strategic merge patches.
+        item: Obj = {"type": kind, "status": status, "lastProbeTime": None, "lastTransitionTime": now(),
+                     "reason": reason or None}  # fmt: skip
         self._items[kind] = item
 
     def as_list(self) -> list[Obj]:
