@@ -95,6 +95,7 @@ class PodWorker:
         self.message = ""
         self.conditions = Conditions()
         self.box: sandbox.Sandbox | None = None
+        self.sandbox_removed = False
         self.volumes: dict[str, HostVolume] = {}
         self.configmaps: dict[str, dict[str, str]] = {}
         self.secrets: dict[str, dict[str, str]] = {}
@@ -122,6 +123,7 @@ class PodWorker:
             self.terminating.set()  # no container of a finished or failed pod starts again
             self._signal_all(signal.SIGKILL)
             if self.box is not None:
+                self.sandbox_removed = True
                 sandbox.teardown(self.box.netns, self.box.veth)
             with contextlib.suppress(Exception):
                 await self.report()
@@ -350,7 +352,7 @@ class PodWorker:
         return render_hosts(self.ns, self.box.ip, self.hostname, self.pod["spec"].get("subdomain"), records)
 
     def update_hosts(self, records: list[DnsRecord]) -> None:
-        if self.box is not None and not self.done.is_set():
+        if self.box is not None and not self.sandbox_removed:
             sandbox.update_hosts(self.box.netns, self.hosts_text(records))
 
     def container_names(self) -> list[str]:
