@@ -5,8 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 from dtjob.operator.actions import CountRescale, CountRestart, ObserveRecovery
+from dtjob.operator.reconciler import to_rfc3339
 from tests.unit.reconciler_fixtures import (
     applied,
+    at,
     creates,
     deletes,
     env_of,
@@ -56,8 +58,12 @@ def test_unschedulable_at_min_replicas_waits_saying_so() -> None:
     assert schedulable["status"] == "False" and "minReplicas=4" in schedulable["message"]
 
 
+def checkpointed(status: dict[str, Any], at_seconds: float) -> dict[str, Any]:
+    return {**status, "lastCheckpoint": {"step": 10, "time": to_rfc3339(at(at_seconds))}}
+
+
 def test_shrunk_gang_grows_back_when_capacity_returns() -> None:
-    job = make_job(status=running_status(size=2, generation=1, since=0))
+    job = make_job(status=checkpointed(running_status(size=2, generation=1, since=0), 50))
     actions = run(job, gang(2, generation=1), two_nodes(), now=100)
     patch = status_patch(actions)
     assert patch["replicas"] == 4 and patch["generation"] == 2 and "restarts" not in patch
@@ -68,11 +74,13 @@ def test_shrunk_gang_grows_back_when_capacity_returns() -> None:
     assert len(grown) == 4 and env_of(grown[0].manifest)["WORLD_SIZE"] == "4"
 
 
-def test_no_growth_without_capacity_or_right_after_a_rescale() -> None:
-    job = make_job(status=running_status(size=2, generation=1, since=95))
+def test_no_growth_without_capacity_or_right_after_a_rescale_or_before_a_checkpoint() -> None:
+    job = make_job(status=checkpointed(running_status(size=2, generation=1, since=95), 96))
     assert run(job, gang(2, generation=1), two_nodes(), now=100) == [], "hold after the last change"
-    job = make_job(status=running_status(size=2, generation=1, since=0))
+    job = make_job(status=checkpointed(running_status(size=2, generation=1, since=0), 50))
     assert run(job, gang(2, generation=1), [make_node("n1")], now=100) == [], "n2 still missing"
+    job = make_job(status=checkpointed(running_status(size=2, generation=1, since=60), 50))
+    assert run(job, gang(2, generation=1), two_nodes(), now=100) == [], "no checkpoint of this generation yet"
 
 
 def test_kubectl_scale_down_is_a_planned_rescale() -> None:
@@ -86,7 +94,7 @@ def test_kubectl_scale_down_is_a_planned_rescale() -> None:
 
 
 def test_kubectl_scale_up_grows_within_max_replicas() -> None:
-    job = make_job(replicas=3, max_replicas=3, status=running_status(size=2))
+    job = make_job(replicas=3, max_replicas=3, status=checkpointed(running_status(size=2), 20))
     patch = status_patch(run(job, gang(2), two_nodes()))
     assert patch["replicas"] == 3
 

@@ -25,7 +25,7 @@ def condition(patch: dict[str, Any], ctype: str) -> dict[str, Any]:
     return next(c for c in patch["conditions"] if c["type"] == ctype)
 
 
-def test_failed_worker_starts_a_counted_new_generation_and_stops_the_rest_gracefully() -> None:
+def test_failed_worker_starts_a_counted_new_generation_and_stops_the_rest_with_a_short_grace() -> None:
     job = make_job(status=running_status())
     pods = gang(4)
     pods[2] = make_pod(2, node="n2", phase="Failed", exit_code=1)
@@ -36,7 +36,8 @@ def test_failed_worker_starts_a_counted_new_generation_and_stops_the_rest_gracef
     assert condition(patch, "Restarting")["reason"] == "WorkerFailed"
     assert "gpt-worker-2 failed (exit code 1)" in condition(patch, "Restarting")["message"]
     graceful = {d.name: d.grace_seconds for d in deletes(actions)}
-    assert graceful == {"gpt-worker-0": None, "gpt-worker-1": None, "gpt-worker-2": 0, "gpt-worker-3": None}
+    # SIGTERM with a short grace: survivors of a failure cannot checkpoint without their peer
+    assert graceful == {"gpt-worker-0": 5, "gpt-worker-1": 5, "gpt-worker-2": 0, "gpt-worker-3": 5}
     assert CountRestart("WorkerFailed") in actions
     assert creates(actions) == [], "the new gang waits until the old pods are gone (same names)"
     assert [(e.type, e.reason) for e in events(actions)] == [("Warning", "WorkerFailed")]
@@ -136,7 +137,7 @@ def test_not_ready_node_force_deletes_its_pods_and_shrinks_to_what_fits() -> Non
     assert condition(patch, "Restarting")["reason"] == "NodeLost"
     assert patch["replicas"] == 2, "n1 has 2 cpus for 1-cpu workers"
     grace = {d.name: d.grace_seconds for d in deletes(actions)}
-    assert grace == {"gpt-worker-0": None, "gpt-worker-1": None, "gpt-worker-2": 0, "gpt-worker-3": 0}
+    assert grace == {"gpt-worker-0": 5, "gpt-worker-1": 5, "gpt-worker-2": 0, "gpt-worker-3": 0}
 
 
 def test_vanished_node_is_a_lost_node_and_terminating_pods_there_are_forced() -> None:

@@ -59,6 +59,10 @@ FAILURE_REASONS = {"WorkerFailed", "WorkerDeleted", "NodeLost", "WorkerStopped"}
 # A grown-back gang must have run this long at its current size before it grows again, so a
 # capacity estimate the scheduler disagrees with cannot make the job flap faster than this.
 GROW_HOLD_SECONDS = 10.0
+# After a failure the survivors cannot checkpoint (a sharded checkpoint needs every rank, and a
+# peer is gone): they get SIGTERM and this long to exit before SIGKILL, not the pod's full grace
+# period, which a trainer blocked in a collective with a dead peer would use up.
+UNPLANNED_STOP_GRACE_SECONDS = 5
 
 
 @dataclass(frozen=True)
@@ -219,15 +223,16 @@ class _Pass:
         known = {(n.get("metadata") or {}).get("name") for n in self.obs.nodes}
         return w.node_name not in known or w.node_name in self.lost_nodes
 
-    def delete(self, w: Worker, reason: str) -> None:
-        """Delete gracefully (SIGTERM: the trainer checkpoints), or force when nobody is left to
-        run a graceful deletion: the pod already ended, or its node is lost (a graceful deletion
-        on a dead node would never complete and keep the pod's name taken)."""
+    def delete(self, w: Worker, reason: str, grace_seconds: int | None = None) -> None:
+        """Delete gracefully (SIGTERM: the trainer checkpoints; grace_seconds None is the pod's
+        own grace period), or force when nobody is left to run a graceful deletion: the pod
+        already ended, or its node is lost (a graceful deletion on a dead node would never
+        complete and keep the pod's name taken)."""
         force = w.terminal or self.node_lost(w)
         if force:
             self.actions.append(DeletePod(w.name, reason, grace_seconds=0))
         elif not w.deleting:
-            self.actions.append(DeletePod(w.name, reason))
+            self.actions.append(DeletePod(w.name, reason, grace_seconds=grace_seconds))
 
 
 def reconcile(obs: Observed) -> list[Action]:
@@ -465,7 +470,7 @@ def _decide(p: _Pass, current: Sequence[Worker], workers: Sequence[Worker]) -> b
             return True
         reason = next((f.reason for f in failures if f.counted), first.reason)
         _new_generation(p, _target_size(p), reason, "; ".join(f.message for f in failures), counted=counted)
-        _delete_all(p, workers)
+        _delete_all(p, workers, UNPLANNED_STOP_GRACE_SECONDS)
         return True
 
     if p.status.get("phase") == RESTARTING and any(
@@ -528,6 +533,8 @@ def _maybe_rescale(p: _Pass, workers: Sequence[Worker], size: int) -> bool:
         running_since = from_rfc3339((p.condition(RUNNING) or {}).get("lastTransitionTime"))
         if running_since is not None and (p.now - running_since).total_seconds() < GROW_HOLD_SECONDS:
             return False
+        if not _checkpointed_since(p, running_since):
+            return False  # a rescale before this generation's first checkpoint would only lose its steps
         fits = _capacity(p)
         target = min(desired, fits)
         if target > size:
@@ -540,9 +547,19 @@ def _maybe_rescale(p: _Pass, workers: Sequence[Worker], size: int) -> bool:
     return False
 
 
-def _delete_all(p: _Pass, workers: Sequence[Worker]) -> None:
+def _checkpointed_since(p: _Pass, since: datetime | None) -> bool:
+    """Whether the current generation made progress worth keeping: a checkpoint written since it
+    started running (always true for a job without checkpoint storage: nothing to wait for)."""
+    if p.job.checkpoint_volume is None or since is None:
+        return True
+    written = from_rfc3339((p.status.get("lastCheckpoint") or {}).get("time"))
+    return written is not None and written >= since
+
+
+def _delete_all(p: _Pass, workers: Sequence[Worker], grace_seconds: int | None = None) -> None:
     for w in workers:
-        p.delete(w, f"stopping generation {w.generation} for generation {p.status.get('generation')}")
+        reason = f"stopping generation {w.generation} for generation {p.status.get('generation')}"
+        p.delete(w, reason, grace_seconds)
 
 
 def _converge_pods(p: _Pass, workers: Sequence[Worker], current: Sequence[Worker]) -> None:
