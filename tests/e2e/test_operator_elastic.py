@@ -122,8 +122,8 @@ def test_node_loss_shrinks_not_below_min_and_grows_back_without_losing_a_step(op
     _devcluster_node("stop", lost)
     try:
         wait_status(op, "nodes", "shrunk to 2 running workers", running_at(2), timeout=120)
-        wait_for("3 steps of the 2-worker generation",
-                 lambda: sum(r["world_size"] == 2 for r in step_log(op, "nodes")) >= 3, timeout=90)  # fmt: skip
+        small_steps = lambda: sum(r["world_size"] == 2 for r in step_log(op, "nodes"))  # noqa: E731
+        wait_for("3 steps of the 2-worker generation", lambda: small_steps() >= 3, timeout=90)
     finally:
         _devcluster_node("start", lost)
     grown = wait_status(op, "nodes", "grown back to 3 running workers", running_at(3), timeout=120)

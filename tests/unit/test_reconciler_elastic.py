@@ -46,6 +46,7 @@ def test_unschedulable_gang_waits_for_the_timeout_then_shrinks_planned() -> None
     assert CountRescale("down", "Unschedulable") in actions
     assert not any(isinstance(a, CountRestart) for a in actions)
     assert "Rescale" in [e.reason for e in events(actions)]
+    assert {d.grace_seconds for d in deletes(actions)} == {5}, "never trained: nothing to checkpoint"
     assert len(deletes(actions)) == 4
 
 

@@ -518,7 +518,8 @@ def _maybe_shrink(p: _Pass, unscheduled: Sequence[Worker], workers: Sequence[Wor
         f"{job.scheduling_timeout_seconds:g}s; shrinking to what fits",
         counted=False,
     )
-    _delete_all(p, workers)
+    # A gang with unscheduled members never got past its rendezvous: nothing to checkpoint.
+    _delete_all(p, workers, UNPLANNED_STOP_GRACE_SECONDS)
     return True
 
 
