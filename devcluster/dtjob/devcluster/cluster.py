@@ -10,6 +10,7 @@ import shlex
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
@@ -247,7 +248,10 @@ def down(layout: Layout) -> int:
         was_up = is_up(layout)
         names = sorted(p.name for p in layout.nodes.iterdir()) if layout.nodes.is_dir() else []
         for name in names:
-            nodes.stop(layout, name)
+            try:
+                nodes.stop(layout, name)
+            except Exception as e:  # a broken node cleanup must not keep the rest running
+                print(f"devcluster: warning: cleaning up {name} failed: {e!r}; continuing", file=sys.stderr)
         for component in reversed(CONTROL_PLANE):
             pid = component_pid(layout, component)
             if pid is not None:
