@@ -38,8 +38,7 @@ def _setup_logging(c: TrainerConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    stop = StopRequest()
-    stop.install()  # first of all: a SIGTERM during start-up still means "stop cleanly"
+    stop = StopRequest()  # installed by the trainer once the gang has formed
     try:
         config = parse(sys.argv[1:] if argv is None else argv)
     except ConfigError as err:

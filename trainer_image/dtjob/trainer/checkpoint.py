@@ -376,6 +376,13 @@ class Checkpointer:
                     "time": time.time(),
                     "extra_state": strategy.extra_state(),
                 }
+                for info in infos:
+                    written = staging / info.name
+                    if not written.is_file() or written.stat().st_size != info.bytes:
+                        raise CheckpointError(
+                            f"{written} is not visible from rank 0: --checkpoint-dir must be one directory "
+                            "shared by every worker (e.g. a ReadWriteMany volume)"
+                        )
                 manifest = build_manifest(infos, full_meta)
                 _write_durably(staging / MANIFEST, lambda p: p.write_text(json.dumps(manifest, indent=1)))
                 _fsync_dir(staging)

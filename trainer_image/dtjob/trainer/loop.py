@@ -182,6 +182,10 @@ class Trainer:
     def run(self, out: TextIO) -> int:
         c = self.c
         elastic.init_process_group(c)
+        # Until the gang exists a SIGTERM kills at once (there is nothing to save, and the wait for
+        # peers is a C++ call a Python handler could not interrupt); from here on it means "finish
+        # the step, checkpoint, exit 75".
+        self.stop.install()
         self._check_same_corpus()
         instrument_comm(self.metrics)
         strategy = parallelize(build.build_model(c), build.parallel_config(c), build.optimizer_factory(c))

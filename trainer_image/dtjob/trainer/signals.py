@@ -1,5 +1,8 @@
 """SIGTERM (and SIGINT) ask for a clean stop; the loop finishes its step, checkpoints, exits 75.
 
+Installed once the process group is up; before that, the default action applies (the process
+ends at once: it has trained nothing that a checkpoint would need to keep).
+
 The handler only records the request: the loop polls it once per step and the ranks agree on it
 with an all-reduce (`elastic.agree`), so all of them stop after the same step even when only one
 was signalled.
