@@ -97,6 +97,9 @@ def _rounding_bound(
 
 def matrix(rank: int, n: int, arg: Any) -> dict[str, Any]:
     """Every op x dtype x algorithm x length (x reduce op) against torch's gloo collectives."""
+    # 8 KiB segments: the large odd length is then cut into many unequal segments per chunk, which
+    # exercises the pipelining (the default policy only cuts regions of 512 KiB and more).
+    os.environ["DTJOB_COLLECTIVE_SEGMENT_BYTES"] = "8192"
     check = Checker()
     for dtype in DTYPES:
         dname = str(dtype).removeprefix("torch.")
@@ -252,6 +255,9 @@ def concurrent(rank: int, n: int, arg: Any) -> dict[str, Any]:
     e = make_input(5, rank, 12_345, torch.float16, True)
     f = big[rank][:10].clone()
     g = ints[rank][:100].clone()
+    # 4 MiB: big enough for the default policy to cut each ring chunk / HD half into 2 segments.
+    huge = [torch.full((1 << 20,), float(r + 1)) for r in everyone]
+    i_ring, i_hd = huge[rank].clone(), huge[rank].clone()
     works = [
         C.all_reduce(a, algorithm="ring", async_op=True),
         C.all_reduce(b, dist.ReduceOp.MAX, algorithm="hd", async_op=True),
@@ -259,6 +265,8 @@ def concurrent(rank: int, n: int, arg: Any) -> dict[str, Any]:
         C.all_gather_into_tensor(d, ag_in, algorithm="hd", async_op=True),
         C.broadcast(e, n - 1, algorithm="ring", async_op=True),
         C.all_reduce(f, async_op=True),
+        C.all_reduce(i_ring, algorithm="ring", async_op=True),
+        C.all_reduce(i_hd, algorithm="hd", async_op=True),
     ]
     pair_work = C.all_reduce(g, group=pair, algorithm="rd", async_op=True) if rank < 2 else None
     # A synchronous call while async ones are queued runs after them, in order, on every rank.
@@ -278,6 +286,8 @@ def concurrent(rank: int, n: int, arg: Any) -> dict[str, Any]:
     check.same("d", d, torch.cat([make_input(4, r, 777, torch.bfloat16, True) for r in everyone]))
     check.same("e", e, make_input(5, n - 1, 12_345, torch.float16, True))
     check.same("f", f, torch.stack(big).sum(0)[:10])
+    check.same("i_ring", i_ring, torch.stack(huge).sum(0))
+    check.same("i_hd", i_hd, torch.stack(huge).sum(0))
     check.same("h", h, torch.full((3,), float(sum(everyone))))
     return check.result()
 

@@ -83,7 +83,8 @@ def _submit(
     runner: GroupRunner, job: Callable[[Comm], None], async_op: bool, tensors: list[torch.Tensor]
 ) -> CollectiveWork | None:
     group = runner.group
-    return runner.submit(lambda tag: job(Comm(group, tag)), async_op, tensors)
+    pool = runner.scratch_pool
+    return runner.submit(lambda tag: job(Comm(group, tag, scratch_pool=pool)), async_op, tensors)
 
 
 def all_reduce(
@@ -151,7 +152,8 @@ def reduce_scatter_tensor(
         return completed_work([output]) if async_op else None
 
     def job(comm: Comm) -> None:
-        work = input.reshape(-1).clone()
+        work = comm.scratch(2, input.numel(), input)
+        work.copy_(input.reshape(-1))
         bounds = [i * count for i in range(n + 1)]
         algo = _resolve(
             "reduce_scatter", choice, runner, comm, work.numel() * work.element_size(), work.dtype

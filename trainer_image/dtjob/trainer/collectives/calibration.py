@@ -70,7 +70,6 @@ def measure(comm: Comm) -> CostModel:
         alpha=values[0],
         beta=values[1],
         gamma={str(d).removeprefix("torch."): g for d, g in zip(_DTYPES, values[2:], strict=True)},
-        segment_bytes=comm.segment_bytes,
     )
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from dtjob.trainer.collectives.comm import Comm, balanced_bounds, segment_count, wait_all
+from dtjob.trainer.collectives.comm import Comm, balanced_bounds, wait_all
 from dtjob.trainer.collectives.reduce_ops import Reduction
 
 
@@ -66,7 +66,7 @@ def _exchange(
     one side's send is segment j of the other's receive. The partner of a reduce is pipelined:
     segment j is reduced while segment j+1 is still in flight.
     """
-    k = segment_count(max(send.numel(), recv.numel()), comm.segment_elems(send.element_size()))
+    k = comm.segments(max(send.numel(), recv.numel()), send.element_size())
     s_b = balanced_bounds(send.numel(), k)
     r_b = balanced_bounds(recv.numel(), k)
     target = recv if reduction is None else scratch
@@ -91,7 +91,8 @@ def halving_reduce_scatter(
 ) -> None:
     """Recursive halving among the virtual ranks; afterwards block `vrank` holds the reduction."""
     lo, hi = 0, fold.p
-    scratch = buf.new_empty(max(vbounds[fold.p // 2] - vbounds[0], vbounds[fold.p] - vbounds[fold.p // 2]))
+    half = max(vbounds[fold.p // 2] - vbounds[0], vbounds[fold.p] - vbounds[fold.p // 2])
+    scratch = comm.scratch(0, half, buf)
     mask = fold.p // 2
     while mask >= 1:
         mid = lo + mask
@@ -145,12 +146,12 @@ def _fold_in(comm: Comm, fold: Fold, buf: torch.Tensor, reduction: Reduction) ->
 
 
 def _segment_bounds(comm: Comm, buf: torch.Tensor) -> list[int]:
-    return balanced_bounds(buf.numel(), segment_count(buf.numel(), comm.segment_elems(buf.element_size())))
+    return balanced_bounds(buf.numel(), comm.segments(buf.numel(), buf.element_size()))
 
 
 def _recv_reduce(comm: Comm, peer: int, buf: torch.Tensor, reduction: Reduction) -> None:
     """Receive the partner's whole vector segment by segment (as _fold_in sends it), reducing as it comes."""
-    scratch = buf.new_empty(buf.numel())
+    scratch = comm.scratch(1, buf.numel(), buf)
     b = _segment_bounds(comm, buf)
     recvs = [comm.post(recvs=[(scratch[b[j] : b[j + 1]], peer)])[1] for j in range(len(b) - 1)]
     for j, works in enumerate(recvs):
@@ -224,7 +225,7 @@ def recursive_doubling_all_reduce(comm: Comm, buf: torch.Tensor, reduction: Redu
     fold = Fold(comm.size)
     vrank = _fold_in(comm, fold, buf, reduction)
     if vrank is not None:
-        incoming = buf.new_empty(buf.numel())
+        incoming = comm.scratch(0, buf.numel(), buf)
         mask = 1
         while mask < fold.p:
             partner = vrank ^ mask

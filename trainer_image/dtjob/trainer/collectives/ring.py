@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from dtjob.trainer.collectives.comm import Comm, balanced_bounds, segment_count, wait_all
+from dtjob.trainer.collectives.comm import Comm, balanced_bounds, wait_all
 from dtjob.trainer.collectives.reduce_ops import Reduction
 
 
@@ -27,7 +27,7 @@ def _segments(bounds: list[int], chunk: int, k: int) -> list[tuple[int, int]]:
 
 def _segment_count(comm: Comm, buf: torch.Tensor, bounds: list[int]) -> int:
     largest = max(bounds[i + 1] - bounds[i] for i in range(comm.size))
-    return segment_count(largest, comm.segment_elems(buf.element_size()))
+    return comm.segments(largest, buf.element_size())
 
 
 def reduce_scatter(comm: Comm, buf: torch.Tensor, bounds: list[int], reduction: Reduction) -> None:
@@ -38,7 +38,7 @@ def reduce_scatter(comm: Comm, buf: torch.Tensor, bounds: list[int], reduction: 
         k = _segment_count(comm, buf, bounds)
         largest = max(bounds[i + 1] - bounds[i] for i in range(n))
         # Two receive areas, alternating by step: step s+1 receives while step s is being reduced.
-        scratch = [buf.new_empty(largest), buf.new_empty(largest) if n > 2 else buf.new_empty(0)]
+        scratch = [comm.scratch(0, largest, buf), comm.scratch(1, largest if n > 2 else 0, buf)]
         sends = []
 
         def recv_area(step: int, seg: tuple[int, int], chunk_lo: int) -> torch.Tensor:

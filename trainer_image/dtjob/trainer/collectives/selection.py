@@ -7,7 +7,7 @@ and Gropp, "Optimization of collective communication operations in MPICH", 2005)
     beta   seconds per byte moved over one link
     gamma  seconds per byte reduced, per dtype (bfloat16 adds are much slower than float32 on CPU)
 
-The pipelined algorithms cut a chunk into segments of `segment_bytes`; each segment costs one alpha.
+The pipelined algorithms cut each region into segments (comm.segments_for); each costs one alpha.
 The constants are measured on the running group (calibration.py) and then identical on every rank,
 so every rank makes the same choice - a different choice on two ranks would deadlock.
 Everything in this module is a pure function of its arguments.
@@ -18,6 +18,8 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
+
+from dtjob.trainer.collectives.comm import segments_for
 
 ENV_VAR = "DTJOB_COLLECTIVE_ALGO"
 
@@ -46,7 +48,6 @@ class CostModel:
     alpha: float
     beta: float
     gamma: dict[str, float] = field(default_factory=dict)  # dtype name ("float32") -> s/byte
-    segment_bytes: int = 1 << 20
 
     def gamma_for(self, dtype_name: str) -> float:
         if dtype_name in self.gamma:
@@ -59,10 +60,6 @@ class CostModel:
 DEFAULT_COSTS = CostModel(alpha=60e-6, beta=0.4e-9, gamma={"float32": 0.25e-9})
 
 
-def _messages(nbytes: float, segment_bytes: int) -> int:
-    return max(1, math.ceil(nbytes / segment_bytes))
-
-
 def _fold(n: int) -> tuple[int, int]:
     p = 1 << (n.bit_length() - 1)
     return p, n - p
@@ -70,7 +67,7 @@ def _fold(n: int) -> tuple[int, int]:
 
 def _move(m: CostModel, nbytes: float, segmented: bool = True) -> float:
     """One message of nbytes over one link (cut into segments when `segmented`)."""
-    messages = _messages(nbytes, m.segment_bytes) if segmented else 1
+    messages = segments_for(nbytes) if segmented else 1
     return messages * m.alpha + nbytes * m.beta
 
 

@@ -65,6 +65,7 @@ class GroupRunner:
         self.rank = group.rank()
         self.size = group.size()
         self.cache: dict[str, object] = {}  # e.g. the calibrated cost model (selection.py)
+        self.scratch_pool: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}  # see Comm.scratch
         self.last_algorithm: dict[str, str] = {}  # op -> algorithm of its latest call (for inspection)
         self._seq = 0
         self._pending = 0
