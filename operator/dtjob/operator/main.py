@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 # Port of the operator's own /metrics; the trainer's is 9400 inside each pod's namespace.
@@ -62,12 +63,19 @@ def main(argv: list[str]) -> int:
     import kopf
     from prometheus_client import start_http_server
 
+    from dtjob.operator import worker_defaults
     from dtjob.operator.handlers import JobReconciler, build_registry
     from dtjob.operator.kube import Kube, load_config
     from dtjob.operator.metrics import OperatorMetrics
     from dtjob.operator.peering import ensure_peering
 
     clusterwide = not args.namespace
+    # Worker-pod defaults from the installer (the helm chart's `workers.*` values).
+    try:
+        worker_defaults.configure(worker_defaults.from_env(os.environ))
+    except worker_defaults.WorkerDefaultsError as e:
+        print(f"dtjob operator: {e}", file=sys.stderr)
+        return 2
     load_config()
     if not args.standalone:
         ensure_peering(args.peering, clusterwide, args.namespace)

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from decimal import Decimal
 from typing import Any
 
+from dtjob.operator import worker_defaults
 from dtjob.operator.jobview import (
     API_VERSION,
     KIND,
@@ -112,6 +113,8 @@ def worker_pod(job: JobView, rank: int, world_size: int, generation: int) -> dic
     # The operator restarts the whole gang; a kubelet restarting one worker in place would leave
     # it alone in a process group its peers already left.
     spec["restartPolicy"] = "Never"
+    # The installer's defaults (helm chart values `workers.*`) fill what the template leaves unset.
+    worker_defaults.current().apply(spec)
     # Workers need no API access (the operator reads their progress from their metrics port):
     # no service account token unless the template asks for one.
     spec.setdefault("automountServiceAccountToken", False)
