@@ -68,6 +68,15 @@ def test_controllers_run_as_their_own_service_accounts(devcluster: Devcluster) -
     kubectl("get", "serviceaccount", "default", "-n", "default", check=True)
 
 
+def test_nodes_are_authorized_by_the_node_authorizer_and_rbac(devcluster: Devcluster) -> None:
+    def can(verb: str, resource: str) -> str:
+        as_node = ("--as", "system:node:dtjob-node-1", "--as-group", "system:nodes")
+        return kubectl("auth", "can-i", verb, resource, "-A", *as_node).stdout.split(" ")[0].strip()
+
+    assert can("list", "endpointslices.discovery.k8s.io") == "yes"  # the nodelet-dns binding `up` applies
+    assert can("list", "secrets") == "no"  # the Node authorizer grants only secrets its pods use
+
+
 def test_status_lists_every_component_and_node_as_healthy(devcluster: Devcluster) -> None:
     result = dtjob_devcluster("status", timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -30,6 +30,20 @@ class ApiClient:
         except (OSError, ssl.SSLError) as e:
             return 0, str(e)
 
+    def create(self, path: str, obj: dict[str, Any]) -> int:
+        """POSTs obj to the collection at path; returns the HTTP status (409: it already exists)."""
+        request = urllib.request.Request(
+            self.base + path,
+            data=json.dumps(obj).encode(),
+            method="POST",
+            headers={"Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout, context=self.context) as r:
+                return int(r.status)
+        except urllib.error.HTTPError as e:
+            return e.code
+
     def ready(self) -> bool:
         status, body = self.get("/readyz")
         return status == 200 and body.strip() == "ok"

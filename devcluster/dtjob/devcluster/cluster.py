@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import yaml
+
 from dtjob.devcluster import controlplane, network, nodes, processes
 from dtjob.devcluster.apiclient import ApiClient
 from dtjob.devcluster.binaries import Binaries
@@ -183,6 +185,7 @@ def _start_missing(
             started.append(component)
         healthy = functools.partial(controlplane.healthy, component, layout)
         _wait(component, healthy, timeout, pid, layout.log(component))
+    _grant_nodelet_rbac(layout)
     since: dict[str, float | None] = {}
     for name in config.node_names:
         controlplane.ensure_node_pki(layout, name)
@@ -193,6 +196,20 @@ def _start_missing(
             started.append(name)
     _wait_nodes_ready(layout, since, NODES_TIMEOUT)
     _wait_default_service_account(layout, timeout)
+
+
+def _grant_nodelet_rbac(layout: Layout) -> None:
+    """Applies the RBAC the nodelet asks for beyond the Node authorizer (nodelet/rbac.py)."""
+    from dtjob.devcluster.nodelet.rbac import NODE_DNS_RBAC_YAML
+
+    client = ApiClient(layout)
+    for obj in yaml.safe_load_all(NODE_DNS_RBAC_YAML):
+        path = f"/apis/rbac.authorization.k8s.io/v1/{obj['kind'].lower()}s"
+        status = client.create(path, obj)
+        if status not in (200, 201, 409):
+            raise DevclusterError(
+                f"creating {obj['kind']} {obj['metadata']['name']} failed with HTTP {status}"
+            )
 
 
 def _reset_logs(layout: Layout) -> None:
