@@ -68,7 +68,7 @@ class Demo:
         self.kubectl("wait", "--for=condition=Established", "--timeout=60s", "-f", str(CRD))
         print(f"CRD: {CRD.name} installed")
 
-    def start_operator(self) -> Path:
+    def start_operator(self, namespace: str) -> Path:
         log = self.layout.root / "logs" / "demo-operator.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         pid_file = self.layout.root / "demo-operator.pid"
@@ -77,7 +77,17 @@ class Demo:
             return log
         with log.open("ab") as out:
             proc = subprocess.Popen(
-                [*self.dtjob, "operator", "--all-namespaces", "--liveness", "http://127.0.0.1:8089/healthz"],
+                # only the demo's namespace: other jobs on a shared cluster are not the demo's
+                [
+                    *self.dtjob,
+                    "operator",
+                    "--namespace",
+                    namespace,
+                    "--liveness",
+                    "http://127.0.0.1:8089/healthz",
+                    "--metrics-port",
+                    "9409",
+                ],
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # keeps running after the demo: try the commands it prints
@@ -138,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     demo = Demo()
     demo.cluster_up()
     demo.install_crd()
-    operator_log = demo.start_operator()
+    manifest = yaml.safe_load(EXAMPLE.read_text())
+    operator_log = demo.start_operator(manifest["metadata"].get("namespace", "default"))
     namespace, name = demo.apply_job()
     phase = demo.follow(namespace, name)
     print()
