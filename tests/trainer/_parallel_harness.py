@@ -140,8 +140,17 @@ def assemble_flat(
     return tensors
 
 
+def _wait_for(path: str, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear within {timeout}s")
+        time.sleep(0.2)
+
+
 def _load_checkpoint(strategy: Any, directory: str) -> None:
     files = sorted(f for f in os.listdir(directory) if f.startswith("rank"))
+    assert files, f"no checkpoint files in {directory}"
     saved = [torch.load(os.path.join(directory, f)) for f in files]
     flat = assemble_flat([s["shards"] for s in saved], directory)
 
@@ -162,6 +171,7 @@ def _run_case(case: dict[str, Any]) -> dict[str, Any]:
     strategy = parallelize(model, config, lambda params: make_optimizer(case, params))
     del model
     if case.get("load_from"):
+        _wait_for(os.path.join(case["load_from"], "COMPLETE"))
         _load_checkpoint(strategy, case["load_from"])
     extras = [strategy.extra_state()] if case.get("load_from") else []
     losses = []
@@ -178,6 +188,9 @@ def _run_case(case: dict[str, Any]) -> dict[str, Any]:
         os.makedirs(case["save_to"], exist_ok=True)
         saved = {"shards": _shards_to_plain(strategy), "extra": strategy.extra_state()}
         torch.save(saved, os.path.join(case["save_to"], f"rank{dist.get_rank()}.pt"))
+        dist.barrier()
+        if dist.get_rank() == 0:  # another world may be waiting to resume from it
+            open(os.path.join(case["save_to"], "COMPLETE"), "w").close()
     extras.append(strategy.extra_state())
     result: dict[str, Any] = {
         "losses": losses,
@@ -214,32 +227,47 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_world(world_size: int, cases: list[dict[str, Any]], timeout: float = 300) -> list[dict[str, Any]]:
-    """Run every case in one spawned gloo group; returns each rank's results."""
-    names = [c["name"] for c in cases]
-    assert len(set(names)) == len(names), "case names must be unique"
-    # forkserver: one server process imports torch and this module once for the whole session
-    # and forks every worker from it, instead of each spawned worker importing torch again
-    # (seconds per process on two loaded cores). The server never runs torch ops, so no thread
-    # pools exist to be broken by fork.
-    multiprocessing.get_context("forkserver").set_forkserver_preload(
-        ["torch", "torch.distributed", "dtjob.trainer.parallel", __name__]
-    )
-    with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.start_processes(
+class World:
+    """A process group of `world_size` workers running `cases`, started without waiting."""
+
+    def __init__(self, world_size: int, cases: list[dict[str, Any]]) -> None:
+        names = [c["name"] for c in cases]
+        assert len(set(names)) == len(names), "case names must be unique"
+        self.world_size = world_size
+        self._out_dir = tempfile.TemporaryDirectory(prefix=f"dtjob-world{world_size}-")
+        # forkserver: one server process imports torch and this module once for the whole
+        # session and forks every worker from it, instead of each spawned worker importing torch
+        # again (seconds per process on two loaded cores). The server never runs torch ops, so
+        # no thread pools exist to be broken by fork.
+        multiprocessing.get_context("forkserver").set_forkserver_preload(
+            ["torch", "torch.distributed", "dtjob.trainer.parallel", __name__]
+        )
+        self._ctx = mp.start_processes(
             _worker,
-            args=(world_size, free_port(), cases, out_dir),
+            args=(world_size, free_port(), cases, self._out_dir.name),
             nprocs=world_size,
             join=False,
             start_method="forkserver",
         )
+
+    def results(self, timeout: float = 600) -> list[dict[str, Any]]:
+        """Wait for the workers; each rank's results by case name."""
         deadline = time.monotonic() + timeout
-        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-            if time.monotonic() > deadline:
-                for p in ctx.processes:
-                    p.kill()
-                raise TimeoutError(f"world of {world_size} did not finish within {timeout}s")
-        return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world_size)]
+        try:
+            while not self._ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+                if time.monotonic() > deadline:
+                    for p in self._ctx.processes:
+                        p.kill()
+                    raise TimeoutError(f"world of {self.world_size} did not finish within {timeout}s")
+            out = self._out_dir.name
+            return [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(self.world_size)]
+        finally:
+            self._out_dir.cleanup()
+
+
+def run_world(world_size: int, cases: list[dict[str, Any]], timeout: float = 600) -> list[dict[str, Any]]:
+    """Run every case in one gloo group of `world_size` processes; returns each rank's results."""
+    return World(world_size, cases).results(timeout)
 
 
 def assemble(rank_results: list[dict[str, Any]], case: str) -> dict[str, torch.Tensor]:
