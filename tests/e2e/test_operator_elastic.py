@@ -71,6 +71,9 @@ def test_kubectl_scale_down_and_up_loses_and_repeats_no_step(op: Operator) -> No
     assert [(g, w) for g, w, _, _ in generations(log)] == [(0, 3), (1, 2), (2, 3)]
     reasons = [e["reason"] for e in events(op, "scale")]
     assert "ScaleDown" in reasons and "ScaleUp" in reasons
+    metrics = op.metrics()
+    assert 'dtjob_operator_rescales_total{direction="down",reason="ScaleDown"} 1.0' in metrics
+    assert 'dtjob_operator_rescales_total{direction="up",reason="ScaleUp"} 1.0' in metrics
     record({"measure": "steps_lost_planned_rescale", "value": 0, "generations": generations(log)})
 
 

@@ -66,6 +66,10 @@ def test_sigkilled_worker_resumes_from_the_last_checkpoint_at_the_same_size(op: 
     assert after == list(range(after[0], steps + 1)), "the new generation runs every remaining step once"
     assert {r["world_size"] for r in log} == {3}
     assert any(e["reason"] == "WorkerFailed" for e in events(op, "kill"))
+    metrics = op.metrics()
+    assert 'dtjob_operator_gang_restarts_total{reason="WorkerFailed"} 1.0' in metrics
+    assert "dtjob_operator_time_to_recover_seconds_count 1.0" in metrics
+    assert 'dtjob_operator_jobs{phase="Succeeded"} 1.0' in metrics
     record(
         {
             "measure": "sigkill_to_next_generation_first_step_seconds",
