@@ -198,6 +198,18 @@ def test_install_runs_the_first_job_from_the_notes_to_succeeded(release: None) -
     wait_for("the job's two worker pods", lambda: len(worker_pods(namespace, name)) == 2, timeout=60)
     to_pods = time.monotonic() - started
     assert service_exists(namespace, name)
+    # The chart's worker defaults (workers.* values) reached the pods through the operator, and
+    # the workers' ServiceAccount may do nothing.
+    worker = worker_pods(namespace, name)[0]["spec"]
+    assert worker["serviceAccountName"] == f"{RELEASE}-worker"
+    assert worker["automountServiceAccountToken"] is False
+    assert worker["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    worker_sa = f"system:serviceaccount:{namespace}:{RELEASE}-worker"
+    for verb, resource in [("get", "pods"), ("list", "distributedtrainingjobs"), ("create", "events")]:
+        assert (
+            kubectl("auth", "can-i", verb, resource, "-n", namespace, f"--as={worker_sa}").stdout.strip()
+            == "no"
+        )
     wait_for("the job to succeed", lambda: phase(namespace, name) == "Succeeded", timeout=240)
     total = time.monotonic() - started
     print(f"\nhelm e2e: worker pods {to_pods:.1f}s after the job, Succeeded after {total:.1f}s")
