@@ -126,7 +126,7 @@ def delete_job(namespace: str, name: str) -> None:
     marked deleted first (so kopf adds no finalizer again), then its finalizer is dropped."""
     kubectl("delete", "dtj", name, "-n", namespace, "--ignore-not-found", "--wait=false", check=True)
     kubectl("patch", "dtj", name, "-n", namespace, "--type=merge", "-p", '{"metadata":{"finalizers":null}}')
-    wait_for(f"job {namespace}/{name} to go", lambda: get_job(namespace, name) is None, timeout=60)
+    wait_for(f"job {namespace}/{name} to go", lambda: get_job(namespace, name) is None, timeout=120)
     kubectl(
         "delete", "pods", "-n", namespace, "-l", f"{JOB_LABEL}={name}", "--grace-period=1", "--wait=false"
     )
@@ -195,7 +195,7 @@ def test_install_runs_the_first_job_from_the_notes_to_succeeded(release: None) -
     name = job["metadata"]["name"]
     apply(small_job(name), namespace)
     started = time.monotonic()
-    wait_for("the job's two worker pods", lambda: len(worker_pods(namespace, name)) == 2, timeout=60)
+    wait_for("the job's two worker pods", lambda: len(worker_pods(namespace, name)) == 2, timeout=120)
     to_pods = time.monotonic() - started
     assert service_exists(namespace, name)
     # The chart's worker defaults (workers.* values) reached the pods through the operator, and
@@ -319,7 +319,7 @@ def test_without_any_one_rule_the_operator_fails(release: None, resource: str) -
         apply(small_job(name, SLEEPER), JOBS_NS)
         if resource == "events":
             # The job goes on without its Events: pods appear, the job's history stays empty.
-            wait_for("the worker pods", lambda: len(worker_pods(JOBS_NS, name)) == 2, timeout=60)
+            wait_for("the worker pods", lambda: len(worker_pods(JOBS_NS, name)) == 2, timeout=120)
         holds_for(f"job without the {resource} rule broken", lambda: broken(name), BROKEN_WINDOW_SECONDS)
         assert re.search(logged, operator_logs()), f"the operator logged nothing like {logged!r}"
     finally:
@@ -341,7 +341,7 @@ def test_upgrade_to_all_namespaces_serves_the_other_namespace(release: None) -> 
         assert kubectl("get", "clusterkopfpeering", RELEASE).returncode == 0
         assert can_i("create", "pods", "*") and can_i("list", "distributedtrainingjobs", "*")
         wait_for(
-            "the other namespace's job served", lambda: len(worker_pods(OTHER_NS, name)) == 2, timeout=60
+            "the other namespace's job served", lambda: len(worker_pods(OTHER_NS, name)) == 2, timeout=120
         )
     finally:
         delete_job(OTHER_NS, name)
