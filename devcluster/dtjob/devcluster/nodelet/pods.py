@@ -125,6 +125,9 @@ class PodWorker:
             if self.box is not None:
                 self.sandbox_removed = True
                 sandbox.teardown(self.box.netns, self.box.veth)
+                # The pod IP is free again (a finished pod keeps it in its status, as with the
+                # kubelet, but no endpoint lists a finished pod).
+                self.m.state.sandbox_file(self.uid).unlink(missing_ok=True)
             with contextlib.suppress(Exception):
                 await self.report()
             self.done.set()
