@@ -1,4 +1,7 @@
-"""RBAC that lets nodelets watch EndpointSlices, for `dtjob devcluster up` to apply as admin.
+"""RBAC that lets nodelets watch EndpointSlices, for `dtjob devcluster up` to create as admin:
+
+    for path, obj in NODE_DNS_RBAC:
+        api.create(path, obj)  # 409 (exists) is fine
 
 The Node authorizer lets a node list/watch Services and get Endpoints by name, but not list
 EndpointSlices; without this binding each nodelet falls back to reading every headless Service's
@@ -9,26 +12,35 @@ In a real cluster CoreDNS holds the same permission.
 
 from __future__ import annotations
 
-NODE_DNS_RBAC_YAML = """\
-apiVersion: rbac.authorization.k8s.io/v1
-kind: ClusterRole
-metadata:
-  name: dtjob:nodelet-dns
-rules:
-  - apiGroups: [discovery.k8s.io]
-    resources: [endpointslices]
-    verbs: [list, watch]
----
-apiVersion: rbac.authorization.k8s.io/v1
-kind: ClusterRoleBinding
-metadata:
-  name: dtjob:nodelet-dns
-roleRef:
-  apiGroup: rbac.authorization.k8s.io
-  kind: ClusterRole
-  name: dtjob:nodelet-dns
-subjects:
-  - apiGroup: rbac.authorization.k8s.io
-    kind: Group
-    name: system:nodes
-"""
+from typing import Any
+
+RBAC_API = "rbac.authorization.k8s.io"
+NAME = "dtjob:nodelet-dns"
+
+NODE_DNS_RBAC: list[tuple[str, dict[str, Any]]] = [
+    (
+        f"/apis/{RBAC_API}/v1/clusterroles",
+        {
+            "apiVersion": f"{RBAC_API}/v1",
+            "kind": "ClusterRole",
+            "metadata": {"name": NAME},
+            "rules": [
+                {
+                    "apiGroups": ["discovery.k8s.io"],
+                    "resources": ["endpointslices"],
+                    "verbs": ["list", "watch"],
+                }
+            ],
+        },
+    ),
+    (
+        f"/apis/{RBAC_API}/v1/clusterrolebindings",
+        {
+            "apiVersion": f"{RBAC_API}/v1",
+            "kind": "ClusterRoleBinding",
+            "metadata": {"name": NAME},
+            "roleRef": {"apiGroup": RBAC_API, "kind": "ClusterRole", "name": NAME},
+            "subjects": [{"apiGroup": RBAC_API, "kind": "Group", "name": "system:nodes"}],
+        },
+    ),
+]
