@@ -31,6 +31,8 @@ HEADLESS_LABEL = "service.kubernetes.io/headless"
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 # Without EndpointSlice access, Endpoints objects are read one by one at this period.
 ENDPOINTS_POLL_S = 1.0
+# ... and every this many seconds the nodelet checks whether it may watch EndpointSlices now.
+RECHECK_SLICES_S = 30.0
 # glibc gives up on an unknown name at once: the nameserver is the pod's own loopback, where no
 # server listens (the query is refused), with one try of one second at most.
 RESOLV_CONF = (
@@ -130,19 +132,26 @@ class DnsWatcher:
 
     async def run(self, stop: asyncio.Event) -> None:
         path = "/apis/discovery.k8s.io/v1/endpointslices"
+        warned = False
         while not stop.is_set():
             try:
                 await self.api.get(path, {"labelSelector": HEADLESS_LABEL, "limit": "1"})
                 break
             except ApiError as e:
-                if e.status == 403:
+                if e.status != 403:
+                    log.warning("listing EndpointSlices: %s; retrying", e)
+                    await asyncio.sleep(ENDPOINTS_POLL_S)
+                    continue
+                if not warned:
                     log.warning("this node may not list EndpointSlices; reading headless Services' Endpoints")
-                    await self._poll_endpoints(stop)
-                    return
-                log.warning("listing EndpointSlices: %s; retrying", e)
+                    warned = True
+                # The permission may be granted later (`up` creates rbac.NODE_DNS_RBAC): ask again.
+                await self._poll_endpoints(stop, RECHECK_SLICES_S)
             except Exception as e:
                 log.warning("listing EndpointSlices: %s; retrying", e)
-            await asyncio.sleep(ENDPOINTS_POLL_S)
+                await asyncio.sleep(ENDPOINTS_POLL_S)
+        if warned:
+            log.info("this node may list EndpointSlices now; watching them")
         await list_and_watch(
             self.api, path, {"labelSelector": HEADLESS_LABEL}, self._on_list, self._on_event, stop
         )
@@ -159,9 +168,9 @@ class DnsWatcher:
             self._objects[key] = obj
         await self._publish(records_from_slices(self._objects.values()))
 
-    async def _poll_endpoints(self, stop: asyncio.Event) -> None:
+    async def _poll_endpoints(self, stop: asyncio.Event, duration: float) -> None:
         """Nodes may list/watch Services and get Endpoints by name: watch the headless Services
-        and read their Endpoints each period."""
+        and read their Endpoints each period, for `duration` seconds."""
         headless: dict[tuple[str, str], bool] = {}
 
         async def on_list(items: list[Obj]) -> None:
@@ -179,8 +188,9 @@ class DnsWatcher:
         watcher = asyncio.create_task(
             list_and_watch(self.api, "/api/v1/services", {}, on_list, on_event, stop)
         )
+        deadline = asyncio.get_running_loop().time() + duration
         try:
-            while not stop.is_set():
+            while not stop.is_set() and asyncio.get_running_loop().time() < deadline:
                 try:
                     found = [e for e in [await self._endpoints(ns, name) for ns, name in list(headless)] if e]
                     await self._publish(records_from_endpoints(found))

@@ -3,6 +3,8 @@
     for path, obj in NODE_DNS_RBAC:
         api.create(path, obj)  # 409 (exists) is fine
 
+(or apply NODE_DNS_RBAC_YAML, the same objects as YAML).
+
 The Node authorizer lets a node list/watch Services and get Endpoints by name, but not list
 EndpointSlices; without this binding each nodelet falls back to reading every headless Service's
 Endpoints once a second (dns.DnsWatcher). With it, pods' /etc/hosts follow a watch instead: less
@@ -13,6 +15,8 @@ In a real cluster CoreDNS holds the same permission.
 from __future__ import annotations
 
 from typing import Any
+
+import yaml
 
 RBAC_API = "rbac.authorization.k8s.io"
 NAME = "dtjob:nodelet-dns"
@@ -44,3 +48,6 @@ NODE_DNS_RBAC: list[tuple[str, dict[str, Any]]] = [
         },
     ),
 ]
+
+# The same objects as one YAML stream (what `dtjob devcluster up` applies).
+NODE_DNS_RBAC_YAML: str = yaml.safe_dump_all([obj for _, obj in NODE_DNS_RBAC], sort_keys=False)
