@@ -129,7 +129,8 @@ Cluster-scoped reads. Nodes: a worker whose node turns NotReady or disappears st
 generation, and only the Node object says so (the pod keeps reporting Running until the node
 controller evicts it, minutes later); node capacity also decides how far a job shrinks. The
 operator lists nodes on each reconcile and never changes them. Nothing else cluster-scoped is
-granted: kopf runs on its startup discovery without CRD or namespace watches (it logs that).
+granted: kopf runs on its startup discovery without CRD or namespace watches (the operator sets
+settings.scanning.disabled, handlers.py).
 */}}
 {{- define "dtjob.clusterReadRules" -}}
 # Nodes, read-only: a NotReady or vanished node restarts the gangs with workers on it.
