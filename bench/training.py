@@ -162,7 +162,8 @@ def torch_runner(kind: str) -> Runner:
     from dtjob.trainer.parallel.pipeline.strategy import Stage
 
     blocks = model.blocks_in_order()
-    lo, hi = split_stages(len(blocks), world)[rank]
+    costs = [sum(p.numel() for p in b.parameters()) for b in blocks]
+    lo, hi = split_stages(len(blocks), world, costs)[rank]  # the same split dtjob uses
     stage_module = Stage(blocks[lo:hi])
     stage = PipelineStage(stage_module, rank, world, torch.device("cpu"))
     schedule_class = ScheduleGPipe if kind == "pp-gpipe" else Schedule1F1B

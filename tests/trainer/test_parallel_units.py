@@ -48,8 +48,11 @@ def test_unknown_schedule_is_rejected() -> None:
 
 
 def test_split_stages_is_contiguous_and_balanced() -> None:
-    assert split_stages(6, 4) == [(0, 2), (2, 4), (4, 5), (5, 6)]
+    assert split_stages(6, 4) == [(0, 1), (1, 2), (2, 4), (4, 6)]  # at most ceil(6 / 4) blocks each
     assert split_stages(4, 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    # Balanced by cost: a GPT's light embedding and head join their neighbouring blocks.
+    assert split_stages(6, 4, [4, 20, 20, 20, 20, 3]) == [(0, 2), (2, 3), (3, 4), (4, 6)]
+    assert split_stages(3, 2, [1, 1, 10]) == [(0, 2), (2, 3)]
     with pytest.raises(ValueError, match="pipeline_stages=5 exceeds the model's 4 blocks"):
         split_stages(4, 5)
 

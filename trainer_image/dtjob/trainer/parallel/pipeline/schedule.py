@@ -35,17 +35,38 @@ def schedule_actions(schedule: str, stage: int, stages: int, microbatches: int) 
     return actions + backwards[microbatches - warmup :]
 
 
-def split_stages(n_blocks: int, stages: int) -> list[tuple[int, int]]:
-    """Contiguous [lo, hi) block ranges, as equal in count as possible (earlier stages get extras)."""
+def split_stages(n_blocks: int, stages: int, costs: list[int] | None = None) -> list[tuple[int, int]]:
+    """Contiguous [lo, hi) block ranges, one per stage, each non-empty.
+
+    With `costs` (e.g. each block's parameter count), the split minimises the costliest stage,
+    since the slowest stage sets the pipeline's pace; without, blocks are shared out evenly.
+    """
     if stages > n_blocks:
         raise ValueError(
             f"pipeline_stages={stages} exceeds the model's {n_blocks} blocks; use at most {n_blocks} stages"
         )
-    base, extra = divmod(n_blocks, stages)
+    if costs is None:
+        costs = [1] * n_blocks
+    if len(costs) != n_blocks:
+        raise ValueError(f"got {len(costs)} block costs for {n_blocks} blocks")
+    prefix = [0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    # best[s][i]: the smallest possible costliest stage when the first i blocks form s stages.
+    inf = float("inf")
+    best = [[inf] * (n_blocks + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n_blocks + 1) for _ in range(stages + 1)]
+    best[0][0] = 0
+    for s in range(1, stages + 1):
+        for i in range(s, n_blocks - (stages - s) + 1):
+            for j in range(s - 1, i):  # the last stage holds blocks j..i-1
+                value = max(best[s - 1][j], prefix[i] - prefix[j])
+                if value < best[s][i]:
+                    best[s][i], cut[s][i] = value, j
     ranges = []
-    lo = 0
-    for s in range(stages):
-        hi = lo + base + (1 if s < extra else 0)
+    hi = n_blocks
+    for s in range(stages, 0, -1):
+        lo = cut[s][hi]
         ranges.append((lo, hi))
-        lo = hi
-    return ranges
+        hi = lo
+    return ranges[::-1]

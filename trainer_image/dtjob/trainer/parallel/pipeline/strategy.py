@@ -116,7 +116,8 @@ class PipelineStrategy:
         self.next_rank = rank + 1 if self.stage < P - 1 else None
 
         blocks = common.blocks_in_order(model)
-        lo, hi = split_stages(len(blocks), P)[self.stage]
+        costs = [sum(p.numel() for p in b.parameters()) for b in blocks]
+        lo, hi = split_stages(len(blocks), P, costs)[self.stage]
         self.module = Stage(blocks[lo:hi])
         owned = {id(p) for p in self.module.parameters()}
         self.named_params = {n: p for n, p in model.named_parameters() if id(p) in owned and p.requires_grad}
