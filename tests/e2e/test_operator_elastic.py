@@ -53,7 +53,7 @@ def record(measurement: dict[str, object]) -> None:
 
 
 def test_kubectl_scale_down_and_up_loses_and_repeats_no_step(op: Operator) -> None:
-    steps = 70
+    steps = 90
     apply(job_manifest(op, "scale", replicas=3, min_replicas=1, max_replicas=3, steps=steps))
     wait_phase(op, "scale", "Running")
     wait_step(op, "scale", 10)

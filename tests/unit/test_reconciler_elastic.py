@@ -76,7 +76,7 @@ def test_shrunk_gang_grows_back_when_capacity_returns() -> None:
 
 
 def test_no_growth_without_capacity_or_right_after_a_rescale_or_before_a_checkpoint() -> None:
-    job = make_job(status=checkpointed(running_status(size=2, generation=1, since=95), 96))
+    job = make_job(status=checkpointed(running_status(size=2, generation=1, since=97), 98))
     assert run(job, gang(2, generation=1), two_nodes(), now=100) == [], "hold after the last change"
     job = make_job(status=checkpointed(running_status(size=2, generation=1, since=0), 50))
     assert run(job, gang(2, generation=1), [make_node("n1")], now=100) == [], "n2 still missing"

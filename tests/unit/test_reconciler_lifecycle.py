@@ -152,6 +152,13 @@ def test_invalid_spec_creates_nothing_and_says_why_once() -> None:
     assert run(applied(job, actions), [], two_nodes()) == [], "the same problem is reported once"
 
 
+def test_a_starting_trainer_reporting_step_zero_does_not_reset_the_step() -> None:
+    job = make_job(
+        status={**running_status(), "step": 40, "lastCheckpoint": {"step": 40, "time": to_rfc3339(at(90))}}
+    )
+    assert run(job, gang(4), two_nodes(), metrics=TrainerMetrics(step=0, checkpoint_step=0)) == []
+
+
 def test_deleted_job_is_left_to_garbage_collection() -> None:
     job = make_job(status=running_status())
     job["metadata"]["deletionTimestamp"] = to_rfc3339(at(1))

@@ -58,7 +58,7 @@ FINISHED = {SUCCEEDED, FAILED}
 FAILURE_REASONS = {"WorkerFailed", "WorkerDeleted", "NodeLost", "WorkerStopped"}
 # A grown-back gang must have run this long at its current size before it grows again, so a
 # capacity estimate the scheduler disagrees with cannot make the job flap faster than this.
-GROW_HOLD_SECONDS = 10.0
+GROW_HOLD_SECONDS = 5.0
 # After a failure the survivors cannot checkpoint (a sharded checkpoint needs every rank, and a
 # peer is gone): they get SIGTERM and this long to exit before SIGKILL, not the pod's full grace
 # period, which a trainer blocked in a collective with a dead peer would use up.
@@ -597,13 +597,14 @@ def _converge_pods(p: _Pass, workers: Sequence[Worker], current: Sequence[Worker
 
 
 def _read_metrics(p: _Pass) -> None:
+    """Step and last checkpoint from rank 0. Steps count from 1, so a gauge at 0 is a trainer
+    still starting (before it loaded its checkpoint): it says nothing, and must not move the
+    job's step back to 0 in between."""
     metrics = p.obs.metrics
     if metrics is None:
         return
-    if metrics.step is not None:
+    if metrics.step:
         p.status["step"] = metrics.step
-    if metrics.checkpoint_step is not None:
-        checkpoint: dict[str, Any] = {"step": metrics.checkpoint_step}
-        if metrics.checkpoint_time:
-            checkpoint["time"] = to_rfc3339(datetime.fromtimestamp(metrics.checkpoint_time, UTC))
-        p.status["lastCheckpoint"] = checkpoint
+    if metrics.checkpoint_step and metrics.checkpoint_time:
+        moment = datetime.fromtimestamp(metrics.checkpoint_time, UTC)
+        p.status["lastCheckpoint"] = {"step": metrics.checkpoint_step, "time": to_rfc3339(moment)}
