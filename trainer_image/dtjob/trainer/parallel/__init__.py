@@ -7,7 +7,19 @@
 `torch.distributed` must be initialised first; the strategy spans the default process group.
 Every rank passes an identically constructed model (rank 0's parameters are broadcast where a
 strategy replicates them). The returned object implements `TrainStrategy` (see api.py) and
-`CheckpointableStrategy` (see state.py).
+`CheckpointableStrategy` (see state.py). Checkpoint keys are the same for every strategy
+("model.<name>", "optim.<name>.<state>"), so a checkpoint written by one strategy at one world
+size loads into another strategy at another (the pipeline needs the same stage count).
+
+Layout: comm.py (the data path: dtjob collectives or native), common.py (shared pieces),
+ddp/, fsdp/ (ZeRO 1/2/3), pipeline/ (GPipe, 1F1B, DP x PP).
+
+Limits: a parameter shared between two blocks (tied embedding and head) is not supported by
+ZeRO-3 or the pipeline, which own each parameter in exactly one block; ZeRO gives the
+single-process result only for elementwise optimizers (SGD, Adam, AdamW, ...), since it updates
+flat shards; the optimizer sees one parameter group (the factory receives the parameters only);
+pipeline stages exchange a single tensor; every batch must split evenly (across ranks,
+grad_accum parts and micro-batches), so that means of means equal the global mean.
 """
 
 from __future__ import annotations
