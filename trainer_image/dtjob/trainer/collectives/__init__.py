@@ -14,6 +14,7 @@ from dtjob.trainer.collectives.api import (
     all_gather_into_tensor,
     all_reduce,
     broadcast,
+    calibrated_costs,
     last_algorithm,
     reduce_scatter_tensor,
 )
@@ -27,6 +28,7 @@ __all__ = [
     "all_gather_into_tensor",
     "all_reduce",
     "broadcast",
+    "calibrated_costs",
     "forget_groups",
     "last_algorithm",
     "reduce_scatter_tensor",

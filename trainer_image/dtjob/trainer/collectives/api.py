@@ -262,4 +262,18 @@ def last_algorithm(op: str, group: ProcessGroup | None = None) -> str | None:
     return None if pg is None else runner_for(pg).last_algorithm.get(op)
 
 
-__all__ = ["all_gather_into_tensor", "all_reduce", "broadcast", "last_algorithm", "reduce_scatter_tensor"]
+def calibrated_costs(group: ProcessGroup | None = None) -> selection.CostModel | None:
+    """The alpha-beta-gamma constants `auto` measured on `group` (None before its first auto call)."""
+    pg = _group(group, "calibrated_costs")
+    cached = None if pg is None else runner_for(pg).cache.get("cost_model")
+    return cached if isinstance(cached, selection.CostModel) else None
+
+
+__all__ = [
+    "all_gather_into_tensor",
+    "all_reduce",
+    "broadcast",
+    "calibrated_costs",
+    "last_algorithm",
+    "reduce_scatter_tensor",
+]

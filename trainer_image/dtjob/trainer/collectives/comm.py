@@ -100,6 +100,16 @@ class Comm:
         """Segments of a region of `numel` elements (identical on both ends: sizes are known to both)."""
         return segments_for(numel * element_size, self.segment_bytes)
 
+    def can_prepost(self, device: torch.device) -> bool:
+        """Whether receives may be posted long before their matching sends.
+
+        Gloo: yes, and it pays - a send whose receive is already posted goes out at once, while
+        one that arrives first waits for a round trip of ready-notifications (gloo's rendezvous).
+        NCCL: no - its p2p calls run in stream order, so a receive posted ahead of the sends it
+        depends on would block them; there each receive is posted with the send of its step.
+        """
+        return not self._needs_coalescing(device)
+
     def _needs_coalescing(self, device: torch.device) -> bool:
         if self._coalescing is None:
             try:

@@ -52,37 +52,45 @@ class Fold:
         return [bounds[self.first_real(v)] for v in range(self.p)] + [bounds[self.n]]
 
 
-def _exchange(
-    comm: Comm,
-    peer: int,
-    send: torch.Tensor,
-    recv: torch.Tensor,
-    reduction: Reduction | None,
-    scratch: torch.Tensor | None,
-) -> None:
-    """Swap regions with `peer`, segment by segment; reduce into `recv` if `reduction` is given.
+class _Step:
+    """One exchange with `peer`: send `send`, receive into `target` (reduced into `recv` if a scratch)."""
+
+    def __init__(self, peer: int, send: torch.Tensor, recv: torch.Tensor, target: torch.Tensor) -> None:
+        self.peer, self.send, self.recv, self.target = peer, send, recv, target
+
+
+def _run(comm: Comm, steps: list[_Step], reduction: Reduction | None) -> None:
+    """Run the exchanges in order, segment by segment; reduce into `recv` if `reduction` is given.
 
     Both ends cut their send and receive regions into the same number of segments, so segment j of
-    one side's send is segment j of the other's receive. The partner of a reduce is pipelined:
-    segment j is reduced while segment j+1 is still in flight.
+    one side's send is segment j of the other's receive; segment j is reduced while segment j+1 is
+    still in flight. On gloo every step's receives are posted before the first send (each step has
+    its own target area), so no send waits for its receiver to catch up.
     """
-    k = comm.segments(max(send.numel(), recv.numel()), send.element_size())
-    s_b = balanced_bounds(send.numel(), k)
-    r_b = balanced_bounds(recv.numel(), k)
-    target = recv if reduction is None else scratch
-    assert target is not None
-    sends = []
-    recvs = []
-    for j in range(k):
-        sw, rw = comm.post(
-            sends=[(send[s_b[j] : s_b[j + 1]], peer)], recvs=[(target[r_b[j] : r_b[j + 1]], peer)]
-        )
-        sends += sw
-        recvs.append(rw)
-    for j in range(k):
-        wait_all(recvs[j])
-        if reduction is not None:
-            reduction.combine(recv[r_b[j] : r_b[j + 1]], target[r_b[j] : r_b[j + 1]])
+    if not steps:
+        return
+    prepost = comm.can_prepost(steps[0].send.device)
+    plans = []
+    for step in steps:
+        k = comm.segments(max(step.send.numel(), step.recv.numel()), step.send.element_size())
+        plans.append((balanced_bounds(step.send.numel(), k), balanced_bounds(step.recv.numel(), k)))
+    recvs: dict[tuple[int, int], list[torch.distributed.Work]] = {}
+    if prepost:
+        for t, (step, (_, r_b)) in enumerate(zip(steps, plans, strict=True)):
+            for j in range(len(r_b) - 1):
+                recvs[t, j] = comm.post(recvs=[(step.target[r_b[j] : r_b[j + 1]], step.peer)])[1]
+    sends: list[torch.distributed.Work] = []
+    for t, (step, (s_b, r_b)) in enumerate(zip(steps, plans, strict=True)):
+        for j in range(len(s_b) - 1):
+            own = [] if prepost else [(step.target[r_b[j] : r_b[j + 1]], step.peer)]
+            sw, rw = comm.post(sends=[(step.send[s_b[j] : s_b[j + 1]], step.peer)], recvs=own)
+            sends += sw
+            if not prepost:
+                recvs[t, j] = rw
+        for j in range(len(r_b) - 1):
+            wait_all(recvs.pop((t, j)))
+            if reduction is not None:
+                reduction.combine(step.recv[r_b[j] : r_b[j + 1]], step.target[r_b[j] : r_b[j + 1]])
     wait_all(sends)
 
 
@@ -90,44 +98,44 @@ def halving_reduce_scatter(
     comm: Comm, fold: Fold, vrank: int, buf: torch.Tensor, vbounds: list[int], reduction: Reduction
 ) -> None:
     """Recursive halving among the virtual ranks; afterwards block `vrank` holds the reduction."""
+    regions = []
     lo, hi = 0, fold.p
-    half = max(vbounds[fold.p // 2] - vbounds[0], vbounds[fold.p] - vbounds[fold.p // 2])
-    scratch = comm.scratch(0, half, buf)
     mask = fold.p // 2
     while mask >= 1:
         mid = lo + mask
-        if vrank & mask:
-            keep, give = (mid, hi), (lo, mid)
-        else:
-            keep, give = (lo, mid), (mid, hi)
-        _exchange(
-            comm,
-            fold.real(vrank ^ mask),
-            buf[vbounds[give[0]] : vbounds[give[1]]],
-            buf[vbounds[keep[0]] : vbounds[keep[1]]],
-            reduction,
-            scratch,
-        )
+        keep, give = ((mid, hi), (lo, mid)) if vrank & mask else ((lo, mid), (mid, hi))
+        regions.append((fold.real(vrank ^ mask), give, keep))
         lo, hi = keep
         mask //= 2
+    # Each step receives into its own scratch area (sizes halve: all of them fit in one vector).
+    sizes = [vbounds[keep[1]] - vbounds[keep[0]] for _, _, keep in regions]
+    scratch = comm.scratch(0, sum(sizes), buf)
+    steps, offset = [], 0
+    for (peer, give, keep), size in zip(regions, sizes, strict=True):
+        steps.append(
+            _Step(
+                peer,
+                buf[vbounds[give[0]] : vbounds[give[1]]],
+                buf[vbounds[keep[0]] : vbounds[keep[1]]],
+                scratch[offset : offset + size],
+            )
+        )
+        offset += size
+    _run(comm, steps, reduction)
 
 
 def doubling_all_gather(comm: Comm, fold: Fold, vrank: int, buf: torch.Tensor, vbounds: list[int]) -> None:
     """Recursive doubling among the virtual ranks; block `vrank` valid before, all blocks after."""
+    steps = []
     mask = 1
     while mask < fold.p:
         partner = vrank ^ mask
         mine = (vrank // mask) * mask
         theirs = (partner // mask) * mask
-        _exchange(
-            comm,
-            fold.real(partner),
-            buf[vbounds[mine] : vbounds[mine + mask]],
-            buf[vbounds[theirs] : vbounds[theirs + mask]],
-            None,
-            None,
-        )
+        recv = buf[vbounds[theirs] : vbounds[theirs + mask]]
+        steps.append(_Step(fold.real(partner), buf[vbounds[mine] : vbounds[mine + mask]], recv, recv))
         mask *= 2
+    _run(comm, steps, None)
 
 
 def _fold_in(comm: Comm, fold: Fold, buf: torch.Tensor, reduction: Reduction) -> int | None:
@@ -225,17 +233,28 @@ def recursive_doubling_all_reduce(comm: Comm, buf: torch.Tensor, reduction: Redu
     fold = Fold(comm.size)
     vrank = _fold_in(comm, fold, buf, reduction)
     if vrank is not None:
-        incoming = comm.scratch(0, buf.numel(), buf)
+        partners = []
         mask = 1
         while mask < fold.p:
-            partner = vrank ^ mask
-            sw, rw = comm.post(sends=[(buf, fold.real(partner))], recvs=[(incoming, fold.real(partner))])
-            wait_all(rw)
+            partners.append(vrank ^ mask)
+            mask *= 2
+        numel = buf.numel()
+        incoming = comm.scratch(0, len(partners) * numel, buf)  # one area per step: all preposted
+        prepost = comm.can_prepost(buf.device)
+        recvs = {}
+        if prepost:
+            for t, partner in enumerate(partners):
+                recvs[t] = comm.post(recvs=[(incoming[t * numel : (t + 1) * numel], fold.real(partner))])[1]
+        for t, partner in enumerate(partners):
+            area = incoming[t * numel : (t + 1) * numel]
+            sw, rw = comm.post(
+                sends=[(buf, fold.real(partner))], recvs=[] if prepost else [(area, fold.real(partner))]
+            )
+            wait_all(recvs.pop(t) if prepost else rw)
             wait_all(sw)  # buf is overwritten next: the send must have left
             if vrank < partner:
-                reduction.combine(buf, incoming)
+                reduction.combine(buf, area)
             else:
-                reduction.combine_into_second(incoming, buf)
-            mask *= 2
+                reduction.combine_into_second(area, buf)
         reduction.finish(buf, comm.size)
     _unfold(comm, fold, None, buf)

@@ -9,6 +9,7 @@ forwards owned chunks around the ring unchanged, so every rank ends with the sam
 Each chunk is cut into the same number k of segments (balanced, possibly empty) so that segment j of
 step s is the very region sent as segment j of step s+1: as soon as segment j is reduced it is sent
 on while segment j+1 is still arriving. That is gloo's segmented ring: transfer and reduction overlap.
+On gloo every receive is posted up front (see Comm.can_prepost), each step into its own scratch area.
 """
 
 from __future__ import annotations
@@ -25,55 +26,54 @@ def _segments(bounds: list[int], chunk: int, k: int) -> list[tuple[int, int]]:
     return [(lo + sub[j], lo + sub[j + 1]) for j in range(k)]
 
 
-def _segment_count(comm: Comm, buf: torch.Tensor, bounds: list[int]) -> int:
-    largest = max(bounds[i + 1] - bounds[i] for i in range(comm.size))
-    return comm.segments(largest, buf.element_size())
-
-
 def reduce_scatter(comm: Comm, buf: torch.Tensor, bounds: list[int], reduction: Reduction) -> None:
     """In place on the flat `buf`: afterwards chunk `comm.rank` holds the finished reduction."""
     n, r = comm.size, comm.rank
     if n > 1:
         nxt, prv = (r + 1) % n, (r - 1) % n
-        k = _segment_count(comm, buf, bounds)
         largest = max(bounds[i + 1] - bounds[i] for i in range(n))
-        # Two receive areas, alternating by step: step s+1 receives while step s is being reduced.
-        scratch = [comm.scratch(0, largest, buf), comm.scratch(1, largest if n > 2 else 0, buf)]
-        sends = []
+        k = comm.segments(largest, buf.element_size())
+        steps = n - 1
+        prepost = comm.can_prepost(buf.device)
+        # Receive areas: one per step when all receives are posted up front, else two alternating.
+        areas = steps if prepost else min(steps, 2)
+        scratch = comm.scratch(0, areas * largest, buf)
 
-        def recv_area(step: int, seg: tuple[int, int], chunk_lo: int) -> torch.Tensor:
-            return scratch[step % 2][seg[0] - chunk_lo : seg[1] - chunk_lo]
+        def recv_chunk(step: int) -> int:
+            return (r - step - 2) % n
 
-        first_send = _segments(bounds, (r - 1) % n, k)
-        recv_chunk = (r - 2) % n
-        recv_segs = _segments(bounds, recv_chunk, k)
-        recvs = []
-        for j in range(k):
-            s_seg, r_seg = first_send[j], recv_segs[j]
-            sw, rw = comm.post(
-                sends=[(buf[s_seg[0] : s_seg[1]], nxt)],
-                recvs=[(recv_area(0, r_seg, bounds[recv_chunk]), prv)],
-            )
+        def recv_views(step: int) -> list[torch.Tensor]:
+            area = scratch[(step % areas) * largest :]
+            lo = bounds[recv_chunk(step)]
+            return [area[a - lo : b - lo] for a, b in _segments(bounds, recv_chunk(step), k)]
+
+        recvs: dict[tuple[int, int], list[torch.distributed.Work]] = {}
+        sends: list[torch.distributed.Work] = []
+        if prepost:
+            for step in range(steps):
+                for j, view in enumerate(recv_views(step)):
+                    recvs[step, j] = comm.post(recvs=[(view, prv)])[1]
+        first = _segments(bounds, (r - 1) % n, k)
+        first_recv = recv_views(0)
+        for j, (lo, hi) in enumerate(first):
+            sw, rw = comm.post(sends=[(buf[lo:hi], nxt)], recvs=[] if prepost else [(first_recv[j], prv)])
             sends += sw
-            recvs.append(rw)
-        for step in range(n - 1):
-            chunk = (r - step - 2) % n
-            segs = _segments(bounds, chunk, k)
-            next_chunk = (r - step - 3) % n
-            next_segs = _segments(bounds, next_chunk, k)
-            next_recvs = []
-            for j in range(k):
-                wait_all(recvs[j])
-                lo, hi = segs[j]
-                reduction.combine(buf[lo:hi], recv_area(step, segs[j], bounds[chunk]))
-                if step + 1 < n - 1:
+            if not prepost:
+                recvs[0, j] = rw
+        for step in range(steps):
+            segs = _segments(bounds, recv_chunk(step), k)
+            views = recv_views(step)
+            next_views = recv_views(step + 1) if step + 1 < steps else []
+            for j, (lo, hi) in enumerate(segs):
+                wait_all(recvs.pop((step, j)))
+                reduction.combine(buf[lo:hi], views[j])
+                if step + 1 < steps:  # forward the freshly reduced segment
                     sw, rw = comm.post(
-                        sends=[(buf[lo:hi], nxt)],
-                        recvs=[(recv_area(step + 1, next_segs[j], bounds[next_chunk]), prv)],
+                        sends=[(buf[lo:hi], nxt)], recvs=[] if prepost else [(next_views[j], prv)]
                     )
                     sends += sw
-                    next_recvs.append(rw)
-            recvs = next_recvs
+                    if not prepost:
+                        recvs[step + 1, j] = rw
         wait_all(sends)
     reduction.finish(buf[bounds[r] : bounds[r + 1]], n)
 
@@ -84,32 +84,37 @@ def all_gather(comm: Comm, buf: torch.Tensor, bounds: list[int]) -> None:
     if n == 1:
         return
     nxt, prv = (r + 1) % n, (r - 1) % n
-    k = _segment_count(comm, buf, bounds)
-    sends = []
-    recvs = []
-    own = _segments(bounds, r, k)
-    first_recv = _segments(bounds, (r - 1) % n, k)
-    for j in range(k):
-        sw, rw = comm.post(
-            sends=[(buf[own[j][0] : own[j][1]], nxt)],
-            recvs=[(buf[first_recv[j][0] : first_recv[j][1]], prv)],
-        )
+    largest = max(bounds[i + 1] - bounds[i] for i in range(n))
+    k = comm.segments(largest, buf.element_size())
+    steps = n - 1
+    prepost = comm.can_prepost(buf.device)
+
+    def recv_segs(step: int) -> list[tuple[int, int]]:
+        return _segments(bounds, (r - step - 1) % n, k)
+
+    recvs: dict[tuple[int, int], list[torch.distributed.Work]] = {}
+    sends: list[torch.distributed.Work] = []
+    if prepost:  # every step receives into its own chunk of buf: all can be posted now
+        for step in range(steps):
+            for j, (lo, hi) in enumerate(recv_segs(step)):
+                recvs[step, j] = comm.post(recvs=[(buf[lo:hi], prv)])[1]
+    first_recv = recv_segs(0)
+    for j, (lo, hi) in enumerate(_segments(bounds, r, k)):
+        a, b = first_recv[j]
+        sw, rw = comm.post(sends=[(buf[lo:hi], nxt)], recvs=[] if prepost else [(buf[a:b], prv)])
         sends += sw
-        recvs.append(rw)
-    for step in range(n - 1):
-        segs = _segments(bounds, (r - step - 1) % n, k)
-        next_segs = _segments(bounds, (r - step - 2) % n, k)
-        next_recvs = []
-        for j in range(k):
-            wait_all(recvs[j])
-            if step + 1 < n - 1:
-                sw, rw = comm.post(
-                    sends=[(buf[segs[j][0] : segs[j][1]], nxt)],
-                    recvs=[(buf[next_segs[j][0] : next_segs[j][1]], prv)],
-                )
+        if not prepost:
+            recvs[0, j] = rw
+    for step in range(steps):
+        next_segs = recv_segs(step + 1) if step + 1 < steps else []
+        for j, (lo, hi) in enumerate(recv_segs(step)):
+            wait_all(recvs.pop((step, j)))
+            if step + 1 < steps:
+                a, b = next_segs[j]
+                sw, rw = comm.post(sends=[(buf[lo:hi], nxt)], recvs=[] if prepost else [(buf[a:b], prv)])
                 sends += sw
-                next_recvs.append(rw)
-        recvs = next_recvs
+                if not prepost:
+                    recvs[step + 1, j] = rw
     wait_all(sends)
 
 

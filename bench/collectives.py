@@ -1,0 +1,287 @@
+"""Benchmark dtjob's collectives (ring, hd, auto) against torch's native gloo collectives.
+
+    python bench/collectives.py                     # world sizes 2, 4, 8; 1 KiB .. 64 MiB
+    python bench/collectives.py --quick             # world size 4 only, fewer repetitions
+
+Prints an nccl-tests style table per op and world size (bytes, count, dtype, time, algbw, busbw),
+writes bench/results/collectives.json and bench/results/collectives.png (busbw against size).
+busbw follows nccl-tests: all-reduce algbw * 2(n-1)/n, reduce-scatter and all-gather
+algbw * (n-1)/n, with bytes = the whole vector (n x the per-rank slice for those two).
+
+Every number is a median: each (op, size) is timed `--runs` times, the implementations
+interleaved within each run so that the machine's load drifts over all of them alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "trainer_image"))
+
+OPS = ("allreduce", "reduce_scatter", "allgather")
+IMPLS = ("native", "ring", "hd", "auto")
+RATIO_SIZES = (4 << 10, 1 << 20, 16 << 20, 64 << 20)
+
+
+def _sizes(min_bytes: int, max_bytes: int) -> list[int]:
+    sizes, size = [], min_bytes
+    while size <= max_bytes:
+        sizes.append(size)
+        size *= 4
+    return sizes
+
+
+def _bus_factor(op: str, n: int) -> float:
+    return 2 * (n - 1) / n if op == "allreduce" else (n - 1) / n
+
+
+def _iterations(nbytes: int) -> int:
+    """Calls per timed batch: enough that a batch of small calls lasts a few milliseconds."""
+    return max(1, min(50, (8 << 20) // max(nbytes, 1)))
+
+
+def _call(impl: str, op: str, buf: Any, big: Any, small: Any) -> None:
+    import torch.distributed as dist
+
+    from dtjob.trainer import collectives as C
+
+    if impl == "native":
+        if op == "allreduce":
+            dist.all_reduce(buf)
+        elif op == "reduce_scatter":
+            dist.reduce_scatter_tensor(small, big)
+        else:
+            dist.all_gather_into_tensor(big, small)
+    elif op == "allreduce":
+        C.all_reduce(buf, algorithm=impl)
+    elif op == "reduce_scatter":
+        C.reduce_scatter_tensor(small, big, algorithm=impl)
+    else:
+        C.all_gather_into_tensor(big, small, algorithm=impl)
+
+
+def _rank_main(rank: int, n: int, store: str, config: dict[str, Any], out: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from dtjob.trainer import collectives as C
+
+    torch.set_num_threads(1)  # n ranks share the machine's cores; gloo reduces single-threaded too
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=n, timeout=datetime.timedelta(minutes=10)
+    )
+    dtype = torch.float32
+    esize = 4
+    rows = []
+    for op in config["ops"]:
+        for nbytes in config["sizes"]:
+            count = nbytes // esize  # elements of the whole vector
+            per_rank = count // n
+            total = per_rank * n if op != "allreduce" else count
+            buf = torch.ones(count if op == "allreduce" else 0, dtype=dtype)
+            big = torch.ones(total if op != "allreduce" else 0, dtype=dtype)
+            small = torch.ones(per_rank if op != "allreduce" else 0, dtype=dtype)
+
+            iters = _iterations(nbytes)
+            times: dict[str, list[float]] = {impl: [] for impl in config["impls"]}
+            cpu_times: dict[str, list[float]] = {impl: [] for impl in config["impls"]}
+            for impl in config["impls"]:
+                _call(impl, op, buf, big, small)  # warm-up (and the one-off calibration for auto)
+            for _ in range(config["runs"]):
+                for impl in config["impls"]:
+                    dist.barrier()
+                    start, cpu_start = time.perf_counter(), time.process_time()
+                    for _ in range(iters):
+                        _call(impl, op, buf, big, small)
+                    elapsed = (time.perf_counter() - start) / iters
+                    cpu = (time.process_time() - cpu_start) / iters
+                    # The slowest rank's time is the collective's time; CPU time is summed over
+                    # ranks (all threads, gloo's included): unlike wall time it hardly depends on
+                    # what else the shared machine runs.
+                    t = torch.tensor([elapsed], dtype=torch.float64)
+                    dist.all_reduce(t, dist.ReduceOp.MAX)
+                    c = torch.tensor([cpu], dtype=torch.float64)
+                    dist.all_reduce(c)
+                    times[impl].append(t.item())
+                    cpu_times[impl].append(c.item())
+            chosen = C.last_algorithm(op)
+            if rank == 0:
+                nb = total * esize
+                for impl, samples in times.items():
+                    median = statistics.median(samples)
+                    algbw = nb / median / 1e9
+                    rows.append(
+                        {
+                            "op": op,
+                            "world_size": n,
+                            "impl": impl,
+                            "bytes": nb,
+                            "count": total,
+                            "dtype": "float32",
+                            "time_us": median * 1e6,
+                            "algbw_GBps": algbw,
+                            "busbw_GBps": algbw * _bus_factor(op, n),
+                            "samples_us": [s * 1e6 for s in samples],
+                            "cpu_us": statistics.median(cpu_times[impl]) * 1e6,
+                            "auto_chose": chosen if impl == "auto" else None,
+                        }
+                    )
+    if rank == 0:
+        model = C.calibrated_costs()
+        out.put({"rows": rows, "cost_model": repr(model)})
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_world(n: int, config: dict[str, Any]) -> list[dict[str, Any]]:
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="dtjob-bench-") as tmp:
+        out = ctx.Queue()
+        procs = [
+            ctx.Process(target=_rank_main, args=(r, n, os.path.join(tmp, "store"), config, out))
+            for r in range(n)
+        ]
+        for p in procs:
+            p.start()
+        report: dict[str, Any] = out.get()
+        for p in procs:
+            p.join()
+        if any(p.exitcode != 0 for p in procs):
+            raise RuntimeError(f"a rank of the world of {n} failed: exit codes {[p.exitcode for p in procs]}")
+        print(f"world {n}: calibrated {report['cost_model']}", flush=True)
+        rows: list[dict[str, Any]] = report["rows"]
+        for row in rows:
+            row["cost_model"] = report["cost_model"]
+        return rows
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    key = None
+    for row in rows:
+        if (row["op"], row["world_size"]) != key:
+            key = (row["op"], row["world_size"])
+            print(f"\n# {row['op']}  world_size={row['world_size']}")
+            header = ("impl", "bytes", "count", "dtype", "time(us)", "algbw", "busbw", "cpu(us)")
+            print("{:>7} {:>10} {:>10} {:>8} {:>11} {:>8} {:>8} {:>11}  auto".format(*header))
+        print(
+            f"{row['impl']:>7} {row['bytes']:>10} {row['count']:>10} {row['dtype']:>8} "
+            f"{row['time_us']:>11.1f} {row['algbw_GBps']:>8.3f} {row['busbw_GBps']:>8.3f} "
+            f"{row['cpu_us']:>11.1f}  {row['auto_chose'] or ''}"
+        )
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """auto/native busbw ratios and the ring/hd crossover for each op and world size."""
+    by = {(r["op"], r["world_size"], r["impl"], r["bytes"]): r for r in rows}
+    summary: dict[str, Any] = {}
+    for op, n in sorted({(r["op"], r["world_size"]) for r in rows}):
+        sizes = sorted({r["bytes"] for r in rows if r["op"] == op and r["world_size"] == n})
+        ratios = {}
+        for size in sizes:
+            auto, native = by.get((op, n, "auto", size)), by.get((op, n, "native", size))
+            if auto and native:
+                ratios[size] = auto["busbw_GBps"] / native["busbw_GBps"]
+        ring_wins = [
+            s
+            for s in sizes
+            if (op, n, "ring", s) in by
+            and (op, n, "hd", s) in by
+            and by[(op, n, "ring", s)]["time_us"] < by[(op, n, "hd", s)]["time_us"]
+        ]
+        crossover = next((s for s in sizes if all(t in ring_wins for t in sizes if t >= s)), None)
+        summary[f"{op}/world{n}"] = {
+            "auto_over_native_busbw": {str(s): round(v, 3) for s, v in ratios.items()},
+            "ring_faster_than_hd_from_bytes": crossover,
+            "ring_faster_than_hd_at": ring_wins,
+        }
+    return summary
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ops = [op for op in OPS if any(r["op"] == op for r in rows)]
+    worlds = sorted({r["world_size"] for r in rows})
+    fig, axes = plt.subplots(
+        len(ops), len(worlds), figsize=(4.5 * len(worlds), 3.5 * len(ops)), squeeze=False
+    )
+    for i, op in enumerate(ops):
+        for j, n in enumerate(worlds):
+            ax = axes[i][j]
+            for impl in IMPLS:
+                pts = sorted(
+                    (r["bytes"], r["busbw_GBps"])
+                    for r in rows
+                    if (r["op"], r["world_size"], r["impl"]) == (op, n, impl)
+                )
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl)
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{op}, {n} ranks (gloo, loopback)")
+            ax.set_xlabel("bytes")
+            ax.set_ylabel("busbw (GB/s)")
+            ax.grid(True, alpha=0.3)
+            ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS))
+    parser.add_argument("--min-bytes", type=int, default=1 << 10)
+    parser.add_argument("--max-bytes", type=int, default=64 << 20)
+    parser.add_argument("--runs", type=int, default=5, help="timed repetitions per point (median reported)")
+    parser.add_argument("--quick", action="store_true", help="world size 4 only, 3 runs")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "collectives.json")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.world_sizes, args.runs = [4], 3
+    config = {
+        "ops": args.ops,
+        "sizes": _sizes(args.min_bytes, args.max_bytes),
+        "impls": IMPLS,
+        "runs": args.runs,
+    }
+    started = time.time()
+    rows: list[dict[str, Any]] = []
+    for n in args.world_sizes:
+        rows += run_world(n, config)
+    print_table(rows)
+    summary = summarize(rows)
+    print("\n# auto / native busbw, and where the ring overtakes hd")
+    for key, value in summary.items():
+        print(f"{key}: {json.dumps(value)}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    report = {
+        "config": {**config, "world_sizes": args.world_sizes},
+        "seconds": round(time.time() - started, 1),
+        "load_average": os.getloadavg(),
+        "summary": summary,
+        "rows": rows,
+    }
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    plot(rows, args.out.with_suffix(".png"))
+    print(f"\nwrote {args.out} and {args.out.with_suffix('.png')} in {report['seconds']} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
