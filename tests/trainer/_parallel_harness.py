@@ -17,7 +17,6 @@ from __future__ import annotations
 import gc
 import multiprocessing
 import os
-import socket
 import tempfile
 import time
 import traceback
@@ -206,9 +205,11 @@ def _run_case(case: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def _worker(rank: int, world_size: int, port: int, cases: list[dict[str, Any]], out_dir: str) -> None:
+def _worker(rank: int, world_size: int, cases: list[dict[str, Any]], out_dir: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    # A file rendezvous: no port to pick, so concurrent worlds cannot collide.
+    store = os.path.join(out_dir, "rendezvous")
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
     results: dict[str, Any] = {}
     for case in cases:
         try:
@@ -219,12 +220,6 @@ def _worker(rank: int, world_size: int, port: int, cases: list[dict[str, Any]], 
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class World:
@@ -244,7 +239,7 @@ class World:
         )
         self._ctx = mp.start_processes(
             _worker,
-            args=(world_size, free_port(), cases, self._out_dir.name),
+            args=(world_size, cases, self._out_dir.name),
             nprocs=world_size,
             join=False,
             start_method="forkserver",
