@@ -10,8 +10,9 @@ RBAC. The tests share one release, in this order:
 2. That install cannot see or touch a job in another namespace.
 3. With any one rule removed from the operator's roles, the behaviour the rule is for fails,
    and the operator's log shows the API server refusing the call.
-4. `helm upgrade` to an all-namespaces install: the job in the other namespace is served now.
-5. `helm uninstall` leaves the CRD and no operator resource.
+4. `helm upgrade --set volcano.enabled=true` grants the PodGroup rule a Volcano job was refused.
+5. `helm upgrade` to an all-namespaces install: the job in the other namespace is served now.
+6. `helm uninstall` leaves the CRD and no operator resource.
 
 The release starts namespaced so that, while it runs, it never touches jobs of other test
 sessions sharing the devcluster; the all-namespaces phase is kept short.
@@ -35,6 +36,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "dtjob"
+VOLCANO_FIXTURES = REPO.parent / "shared" / "fixtures" / "volcano"
 RELEASE = "dtjob-helm"  # contains the chart's name, so the chart names its objects RELEASE
 SYSTEM_NS = "dtjob-helm-system"
 JOBS_NS = "dtjob-helm-jobs"
@@ -145,7 +147,12 @@ def operator_pod() -> dict[str, Any]:
 
 def operator_logs() -> str:
     name = operator_pod()["metadata"]["name"]
-    return kubectl("logs", "-n", SYSTEM_NS, name, "--tail=300").stdout
+    return kubectl("logs", "-n", SYSTEM_NS, name, "--tail=300", check=True).stdout
+
+
+def wait_for_log(pattern: str) -> None:
+    """The operator's log shows `pattern` (polled: the nodelet serves logs a moment late)."""
+    wait_for(f"the operator's log to show {pattern!r}", lambda: bool(re.search(pattern, operator_logs())), 30)
 
 
 def can_i(verb: str, resource: str, namespace: str | None = None) -> bool:
@@ -321,12 +328,40 @@ def test_without_any_one_rule_the_operator_fails(release: None, resource: str) -
             # The job goes on without its Events: pods appear, the job's history stays empty.
             wait_for("the worker pods", lambda: len(worker_pods(JOBS_NS, name)) == 2, timeout=120)
         holds_for(f"job without the {resource} rule broken", lambda: broken(name), BROKEN_WINDOW_SECONDS)
-        assert re.search(logged, operator_logs()), f"the operator logged nothing like {logged!r}"
+        wait_for_log(logged)
     finally:
         restore()
         delete_job(JOBS_NS, name)
         if resource in NEEDS_RESTART:
             restart_operator()
+
+
+def test_volcano_podgroups_need_the_volcano_value(release: None) -> None:
+    """volcano.enabled=false (the default) grants no PodGroup rights: a Volcano job gets no
+    PodGroup. `helm upgrade --set volcano.enabled=true` adds the rule, and the operator's next
+    pass creates it."""
+    crd = VOLCANO_FIXTURES / "scheduling.volcano.sh_podgroups.yaml"
+    assert crd.is_file(), f"Volcano's PodGroup CRD is missing: {crd}"
+    kubectl("apply", "--server-side", "-f", str(crd), check=True)
+    kubectl("wait", "--for=condition=Established", "--timeout=60s", "-f", str(crd), check=True)
+    name = "gang"
+    job = small_job(name, SLEEPER)
+    job["spec"]["scheduling"] = {"schedulerName": "volcano"}
+
+    def podgroup_exists() -> bool:
+        return kubectl("get", "podgroups.scheduling.volcano.sh", name, "-n", JOBS_NS).returncode == 0
+
+    apply(job, JOBS_NS)
+    try:
+        holds_for("no PodGroup without volcano.enabled", lambda: not podgroup_exists(), BROKEN_WINDOW_SECONDS)
+        wait_for_log(_denied("podgroups"))
+        helm("upgrade", RELEASE, *install_args(), "--reuse-values", "--set", "volcano.enabled=true",
+             check=True, timeout=300)  # fmt: skip
+        assert can_i("create", "podgroups.scheduling.volcano.sh", JOBS_NS)
+        # The refused call failed the timer's handler, and kopf backs a failed timer off 60 s.
+        wait_for("the PodGroup, created under the upgraded role", podgroup_exists, timeout=150)
+    finally:
+        delete_job(JOBS_NS, name)
 
 
 def test_upgrade_to_all_namespaces_serves_the_other_namespace(release: None) -> None:
