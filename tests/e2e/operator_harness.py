@@ -47,12 +47,13 @@ class Operator:
     log: Path
     metrics_port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
+    peering: list[str] = field(default_factory=lambda: ["--standalone"])
 
     def start(self) -> None:
         assert self.proc is None or self.proc.poll() is not None, "operator already running"
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "dtjob.cli", "operator", "--namespace", self.namespace, "--standalone",
+                [sys.executable, "-m", "dtjob.cli", "operator", "--namespace", self.namespace, *self.peering,
                  "--liveness", f"http://127.0.0.1:{free_port()}/healthz",
                  "--metrics-port", str(self.metrics_port), "--interval", "2"],
                 stdout=out, stderr=subprocess.STDOUT,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -10,6 +11,7 @@ import pytest
 from tests.e2e.conftest import Devcluster, kubectl, kubectl_json, wait_for
 from tests.e2e.operator_harness import (
     REPO,
+    SCRATCH,
     Operator,
     apply,
     condition,
@@ -117,3 +119,48 @@ def test_volcano_job_gets_a_podgroup_of_the_gang_shape(op: Operator) -> None:
     # no Volcano scheduler runs here: the gang waits, Pending
     assert status(op, "gang")["phase"] == "Pending"
     kubectl("delete", "dtj", "gang", "-n", op.namespace, "--wait=true", "--timeout=60s", check=True)
+
+
+def peering_active(op: Operator) -> bool:
+    """Whether kopf's last peering decision in the operator's log was to run (not to pause)."""
+    decisions = [
+        line for line in op.log.read_text().splitlines() if "operations" in line and "peering" in line
+    ]
+    return bool(decisions) and "Resuming operations" in decisions[-1]
+
+
+def test_of_two_peered_operators_only_the_higher_priority_one_acts(op: Operator) -> None:
+    namespace = f"{op.namespace}-peers"
+    kubectl("create", "namespace", namespace, check=True)
+    low = Operator(namespace, SCRATCH / f"{namespace}-low.log", peering=["--peering=e2e", "--priority=1"])
+    high = Operator(namespace, SCRATCH / f"{namespace}-high.log", peering=["--peering=e2e", "--priority=2"])
+    try:
+        # kopf starts paused and resumes once the peering shows no peer of higher priority
+        high.start()
+        wait_for("the high-priority operator to become active", lambda: peering_active(high), timeout=60)
+        low.start()
+        wait_for("the low-priority operator to start", lambda: "serving" in low.log.read_text(), timeout=60)
+        time.sleep(5)  # a few peering heartbeats
+        assert peering_active(high) and not peering_active(low), "not exactly one operator active"
+        crash = [sys.executable, "-c", "import sys; sys.exit(127)"]
+        apply(job_manifest(Operator(namespace, low.log), "peered", replicas=2, command=crash))
+        wait_phase(high, "peered", "Failed", timeout=90)
+        assert "creating peered-worker-0" in high.log.read_text()
+        assert "peered-worker" not in low.log.read_text(), "the paused operator acted"
+        high.stop()  # a clean stop removes it from the peering: the other one takes over
+        wait_for(
+            "the low-priority operator to take over",
+            lambda: peering_active(low),
+            timeout=60,
+        )
+        apply(job_manifest(Operator(namespace, low.log), "after", replicas=1, command=crash))
+        wait_phase(low, "after", "Failed", timeout=90)
+        assert "creating after-worker-0" in low.log.read_text()
+    finally:
+        low_alive = low.proc is not None and low.proc.poll() is None
+        if not low_alive:
+            low.start()
+        kubectl("delete", "dtj", "--all", "-n", namespace, "--wait=true", "--timeout=60s")
+        low.stop()
+        high.stop()
+        kubectl("delete", "namespace", namespace, "--wait=false")
