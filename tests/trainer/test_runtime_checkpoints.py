@@ -1,5 +1,6 @@
 """Checkpoints on disk, written by a real 2-process gang: retention keeps exactly K, and a truncated,
-a flipped-byte and a manifest-less checkpoint are each skipped for the previous valid one."""
+a flipped-byte and a manifest-less checkpoint are each skipped for the previous valid one (by a
+1-process run, which also reads the 2-process shards back at another world size)."""
 
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def test_retention_and_fallback_past_damaged_checkpoints(tmp_path: Path) -> None
     shutil.copytree(root / "step-00000004", root / "step-00000010")
     (root / "step-00000010" / "manifest.json").unlink()
 
-    second = run(2, [*ARGS, "--steps", "10", "--checkpoint-dir", str(root)], tmp_path, "second")
+    second = run(1, [*ARGS, "--steps", "10", "--checkpoint-dir", str(root)], tmp_path, "second")
     warnings = second.stderr(0)
     for name, reason in [("10", "no manifest.json"), ("8", "sha256 mismatch"), ("6", "bytes, manifest says")]:
         assert f"skipping checkpoint {root}/step-000000{name.zfill(2)}: " in warnings, warnings
@@ -52,8 +53,8 @@ def test_retention_and_fallback_past_damaged_checkpoints(tmp_path: Path) -> None
     resumed = {s["step"]: s["loss"] for s in second.steps()}
     assert sorted(resumed) == [5, 6, 7, 8, 9, 10], "must resume after the newest valid checkpoint, step 4"
     original = {s["step"]: s["loss"] for s in first.steps()}
-    for step in (5, 6, 7, 8):  # same world size: the very same numbers
-        assert resumed[step] == pytest.approx(original[step], rel=1e-6)
+    for step in (5, 6, 7, 8):  # the same trajectory, up to the order of floating-point sums
+        assert resumed[step] == pytest.approx(original[step], rel=1e-5)
 
     assert checkpoint_steps(root) == [6, 8, 10]
     for step in (6, 8, 10):

@@ -27,7 +27,11 @@ from tests.trainer.runtime_gang import free_port, run_single, trainer_env
             "WORLD_SIZE=3 is not a multiple of --pipeline-stages",
         ),
         ([], {"DTJOB_STEPS": "ten"}, "environment variable DTJOB_STEPS: expected int, got 'ten'"),
-        (["--data", "/no/such/corpus"], {}, "--data /no/such/corpus: no such file or directory"),
+        (
+            ["--data", "/no/such/corpus"],
+            {},
+            "--data (env DTJOB_DATA) /no/such/corpus: no such file or directory",
+        ),
     ],
     ids=["strategy", "batch", "pipeline-stages", "env", "data"],
 )

@@ -190,6 +190,8 @@ def validate(c: TrainerConfig) -> None:
         _require(getattr(c, name) >= 1, f"{_where(name)} must be at least 1, got {getattr(c, name)}")
     for name in ("warmup_steps", "checkpoint_every", "seed", "rank", "local_rank", "generation"):
         _require(getattr(c, name) >= 0, f"{_where(name)} must be 0 or more, got {getattr(c, name)}")
+    if c.data:
+        _require(os.path.exists(c.data), f"{_where('data')} {c.data}: no such file or directory")
     _require(c.keep_checkpoints >= 1, f"{_where('keep_checkpoints')} must be at least 1")
     _require(c.grad_clip >= 0, f"{_where('grad_clip')} must be 0 (off) or positive, got {c.grad_clip}")
     _require(c.lr > 0 and c.min_lr >= 0, f"{_where('lr')} must be > 0 and {_where('min_lr')} >= 0")
