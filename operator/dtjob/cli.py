@@ -14,7 +14,7 @@ _COMMANDS: dict[str, tuple[str, str, str]] = {
     "train": ("dtjob.trainer.__main__", "main", "run the trainer (same as python -m dtjob.trainer)"),
     "operator": ("dtjob.operator.main", "main", "run the operator"),
     "crd": ("dtjob.api.crd", "main", "print the DistributedTrainingJob CRD generated from the models"),
-    "devcluster": ("dtjob.devcluster.cli", "main", "the local Kubernetes cluster: up, down, status, env, node"),
+    "devcluster": ("dtjob.devcluster.cli", "main", "the local cluster: up, down, status, env, node"),
 }
 
 
