@@ -199,6 +199,11 @@ def _run_case(case: dict[str, Any]) -> dict[str, Any]:
         "memory": memory,
         "seconds": time.perf_counter() - started,
     }
+    from dtjob.trainer.parallel.ddp import DDPStrategy
+
+    if isinstance(strategy, DDPStrategy):
+        launches = (len(strategy.buckets), strategy.launched_in_backward, strategy.launched_after_backward)
+        result["ddp_launches"] = launches
     peak = getattr(strategy, "peak_live_microbatches", None)
     if peak is not None:
         result["peak_live_microbatches"] = peak

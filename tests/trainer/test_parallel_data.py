@@ -71,6 +71,15 @@ def test_resumes_at_another_world_size(world: int, name: str) -> None:
     h.check_against_reference(pc.results(world), pc.case(world, name))
 
 
+@pytest.mark.parametrize("name", [f"ddp-{a}" for a in pc.ALGORITHMS])
+def test_ddp_buckets_start_reducing_during_backward(name: str) -> None:
+    """Every bucket's all-reduce is launched from a gradient hook, inside backward."""
+    for result in pc.results(2):
+        buckets, in_backward, after = result[name]["ddp_launches"]
+        assert buckets >= 4, "the case's small buckets should split the model into several"
+        assert (in_backward, after) == (buckets, 0)
+
+
 def test_extra_state_is_identical_on_every_rank() -> None:
     for name in ("ddp-native", "zero3-native", "zero1-accum-clip"):
         extras = [r[name]["extras"][-1] for r in pc.results(3)]

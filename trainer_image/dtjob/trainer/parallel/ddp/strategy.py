@@ -57,6 +57,10 @@ class DDPStrategy:
                 p.grad = bucket.grad_views[i]
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
         self._next_launch = 0
+        self._in_finish = False
+        # How many bucket all-reduces started inside backward (overlapped) vs after it, last step.
+        self.launched_in_backward = 0
+        self.launched_after_backward = 0
         self._reset_buckets()
         self.optimizer = optimizer_factory(list(self.named_params.values()))
 
@@ -83,6 +87,7 @@ class DDPStrategy:
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         micro = common.split_batch(inputs, targets, self.config.grad_accum, "grad_accum")
+        self.launched_in_backward = self.launched_after_backward = 0
         for bucket in self.buckets:
             bucket.buffer.zero_()
         if self.named_buffers:  # like torch DDP: rank 0's buffers (e.g. BatchNorm stats) win
@@ -138,13 +143,19 @@ class DDPStrategy:
             bucket.wire = (bucket.buffer / self.comm.size).to(wire_dtype)
             bucket.handle = self.comm.all_reduce_sum(bucket.wire, async_op=True)
         bucket.launched = True
+        if self._in_finish:
+            self.launched_after_backward += 1
+        else:
+            self.launched_in_backward += 1
 
     def _finish_reduction(self) -> None:
         # Parameters that took no part in this backward never fired their hook: send them anyway
         # (their gradient is what accumulated so far, possibly zero), in bucket order.
         for bucket in self.buckets[self._next_launch :]:
             bucket.ready = True
+        self._in_finish = True
         self._launch_ready_buckets()
+        self._in_finish = False
         for bucket in self.buckets:
             assert bucket.handle is not None
             bucket.handle.wait()
