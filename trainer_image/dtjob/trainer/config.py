@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
@@ -238,12 +237,3 @@ def validate(c: TrainerConfig) -> None:
             f"{_where('global_batch_size')}={c.global_batch_size} gives {per_replica} samples per replica, "
             f"not divisible by {_where('microbatches')}={c.microbatches}",
         )
-
-
-def parse_or_exit(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> TrainerConfig:
-    """`parse`, printing a `ConfigError` as one line on stderr and exiting with status 2."""
-    try:
-        return parse(argv, environ)
-    except ConfigError as err:
-        print(f"dtjob-trainer: error: {err}", file=sys.stderr)
-        raise SystemExit(EXIT_CONFIG_ERROR) from None
