@@ -36,7 +36,12 @@ to `step-<step>/`; only after that rename does any rank return. Then rank 0 keep
 
 Loading at any world size: rank 0 picks the newest valid checkpoint and broadcasts its manifest;
 each rank's strategy then asks a `FetchRange` for the global ranges its own shards need, and the
-reader copies them out of whichever files hold them (`ShardReader.fetch`).
+reader copies them out of whichever files hold them (`ShardReader.fetch`). Each rank's random
+state is restored from its own file when the world size is unchanged; at another world size the
+loop derives fresh per-rank streams from (seed, step, rank).
+
+`--checkpoint-dir` must be one directory shared by every worker (rank 0 checks that every rank's
+file is visible before it publishes).
 """
 
 from __future__ import annotations
