@@ -204,6 +204,10 @@ def _run_case(case: dict[str, Any]) -> dict[str, Any]:
     if isinstance(strategy, DDPStrategy):
         launches = (len(strategy.buckets), strategy.launched_in_backward, strategy.launched_after_backward)
         result["ddp_launches"] = launches
+    from dtjob.trainer.parallel.fsdp import FSDPStrategy
+
+    if isinstance(strategy, FSDPStrategy):
+        result["peak_gathered_units"] = (strategy.peak_gathered_units, len(strategy.units))
     peak = getattr(strategy, "peak_live_microbatches", None)
     if peak is not None:
         result["peak_live_microbatches"] = peak

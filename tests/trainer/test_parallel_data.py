@@ -80,6 +80,16 @@ def test_ddp_buckets_start_reducing_during_backward(name: str) -> None:
         assert (in_backward, after) == (buckets, 0)
 
 
+@pytest.mark.parametrize(("name", "peak"), [("zero3-native", 2), ("zero3-noprefetch", 1)])
+def test_zero3_holds_at_most_the_current_and_the_prefetched_block(name: str, peak: int) -> None:
+    """Gathered parameters are freed after use: at any moment of a step a rank holds the full
+    parameters of the block computing and, with prefetch, the next one; never the whole model."""
+    for result in pc.results(4):
+        held, units = result[name]["peak_gathered_units"]
+        assert units == 4  # GPT: embedding, 2 blocks, head
+        assert held == peak
+
+
 def test_extra_state_is_identical_on_every_rank() -> None:
     for name in ("ddp-native", "zero3-native", "zero1-accum-clip"):
         extras = [r[name]["extras"][-1] for r in pc.results(3)]

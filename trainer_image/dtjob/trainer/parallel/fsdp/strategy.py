@@ -98,6 +98,8 @@ class FSDPStrategy:
         self._ready: set[int] = set()
         self._next_reduce = 0
         self._prebackward_done: set[int] = set()
+        # ZeRO-3: the most units whose full parameters were held at once during the last step.
+        self.peak_gathered_units = 0
         self.optimizer = optimizer_factory(self.shards)
 
     def _make_units(
@@ -154,6 +156,7 @@ class FSDPStrategy:
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         micro = common.split_batch(inputs, targets, self.config.grad_accum, "grad_accum")
+        self.peak_gathered_units = 0
         for shard in self.shards:
             assert shard.grad is not None
             shard.grad.zero_()
@@ -200,6 +203,8 @@ class FSDPStrategy:
         if unit.gathered or unit.index in self._pending_gather:
             return
         unit.regrow_full()
+        held = sum(1 for u in self.units if u.full.untyped_storage().nbytes() > 0)
+        self.peak_gathered_units = max(self.peak_gathered_units, held)
         shard = self.shards[unit.index].detach()
         self._pending_gather[unit.index] = self.comm.all_gather(unit.full, shard, async_op=True)
 
