@@ -117,7 +117,7 @@ def _devcluster_node(action: str, name: str) -> None:
 
 def test_node_loss_shrinks_not_below_min_and_grows_back_without_losing_a_step(op: Operator) -> None:
     # 3 cpus per worker on 4-cpu nodes: one worker per node, no spare capacity anywhere.
-    steps = 80
+    steps = 60
     manifest = job_manifest(op, "nodes", replicas=3, min_replicas=2, max_replicas=3, steps=steps, cpu="3",
                             checkpoint_every=4)  # fmt: skip
     apply(manifest)
