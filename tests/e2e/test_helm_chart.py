@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import re
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -155,6 +156,14 @@ def wait_for_log(pattern: str) -> None:
     wait_for(f"the operator's log to show {pattern!r}", lambda: bool(re.search(pattern, operator_logs())), 30)
 
 
+def http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return bool(response.status == 200)
+    except OSError:
+        return False
+
+
 def can_i(verb: str, resource: str, namespace: str | None = None) -> bool:
     """Whether the operator's ServiceAccount may; namespace "*" means in every namespace."""
     scope = ["--all-namespaces"] if namespace == "*" else ["-n", namespace] if namespace else []
@@ -196,6 +205,28 @@ def test_install_runs_the_first_job_from_the_notes_to_succeeded(release: None) -
     container = pod["spec"]["containers"][0]
     assert container["command"] == ["dtjob", "operator"]
     assert f"--namespace={JOBS_NS}" in container["args"]
+
+    # The ports the chart gives the operator: liveness answers, metrics are served, and the
+    # metrics Service's endpoints are this pod.
+    ip = pod["status"]["podIP"]
+    wait_for("the operator's liveness endpoint", lambda: http_ok(f"http://{ip}:8080/healthz"), timeout=60)
+    with urllib.request.urlopen(f"http://{ip}:9401/metrics", timeout=10) as metrics:
+        assert "dtjob_operator_jobs" in metrics.read().decode()
+
+    def metrics_endpoints() -> list[tuple[str, int]]:
+        selector = f"kubernetes.io/service-name={RELEASE}-metrics"
+        slices = kubectl_json("get", "endpointslices", "-n", SYSTEM_NS, "-l", selector)["items"]
+        return [
+            (address, port["port"])
+            for sl in slices
+            for endpoint in sl.get("endpoints") or []
+            for address in endpoint["addresses"]
+            for port in sl.get("ports") or []
+        ]
+
+    wait_for(
+        "the metrics Service to point at the pod", lambda: metrics_endpoints() == [(ip, 9401)], timeout=30
+    )
 
     job, namespace = notes_job()
     assert namespace == JOBS_NS, "the notes should send the first job to the watched namespace"
