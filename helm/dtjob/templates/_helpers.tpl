@@ -112,6 +112,11 @@ test_helm_chart.py shows the operator failing without each rule.
 - apiGroups: [""]
   resources: [services]
   verbs: [get, create]
+# The final step of a finished job: rank 0's metrics endpoint is gone once it exits, so the
+# operator reads the step from the last line of its log (kube.py).
+- apiGroups: [""]
+  resources: [pods/log]
+  verbs: [get]
 # Events: one per phase transition and rescale, saying why.
 - apiGroups: [""]
   resources: [events]
