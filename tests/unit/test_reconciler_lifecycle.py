@@ -180,3 +180,14 @@ def test_volcano_job_gets_its_podgroup_before_its_pods() -> None:
     pod = next(a for a in actions if isinstance(a, CreatePod)).manifest
     assert pod["spec"]["schedulerName"] == "volcano"
     assert pod["metadata"]["annotations"]["scheduling.k8s.io/group-name"] == "gpt"
+
+
+def test_spec_the_model_rejects_is_reported_not_raised() -> None:
+    job = make_job()
+    del job["spec"]["template"]  # required; only an API server without the CRD's schema lets it in
+    job["spec"]["masterPort"] = 0
+    actions = run(job, [], two_nodes(), service_exists=False)
+    valid = next(c for c in status_patch(actions)["conditions"] if c["type"] == "Valid")
+    assert valid["status"] == "False"
+    assert "spec.template" in valid["message"] and "spec.masterPort" in valid["message"]
+    assert creates(actions) == []

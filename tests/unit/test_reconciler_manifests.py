@@ -6,6 +6,7 @@ from decimal import Decimal
 
 import pytest
 
+from dtjob.api import DistributedTrainingJobSpec, InvalidJobError
 from dtjob.operator.capacity import workers_that_fit
 from dtjob.operator.jobview import JobView
 from dtjob.operator.pods import headless_service, podgroup, worker_pod
@@ -103,3 +104,26 @@ def test_bad_quantity_names_the_value() -> None:
     with pytest.raises(ValueError, match="'lots'"):
         parse_quantity("lots")
     assert format_quantity(Decimal("1.5")) == "1500m" and format_quantity(Decimal(4)) == "4"
+
+
+def test_jobview_defaults_come_from_the_api_model() -> None:
+    job = make_job()
+    job["spec"] = {"replicas": 3, "template": job["spec"]["template"]}
+    view = JobView(job)
+    model = DistributedTrainingJobSpec.model_validate(job["spec"])
+    assert view.spec_errors == []
+    assert (view.master_port, view.metrics_port) == (model.master_port, model.metrics_port) == (29500, 9400)
+    assert view.min_replicas == view.replicas == view.desired_replicas == 3
+    assert (view.max_restarts, view.scheduling_timeout_seconds) == (3, 60.0)
+    assert (view.restart_policy, view.clean_pod_policy) == ("ExitCode", "Running")
+    assert [c for c in range(256) if view.is_permanent_exit_code(c)] == [2, 126, 127]
+    assert view.checkpoint_volume is None and view.checkpoint_mount_path == "/checkpoints"
+
+
+def test_jobview_of_an_invalid_spec_names_the_fields_instead_of_raising_on_identity() -> None:
+    job = make_job(replicas=0)
+    view = JobView(job)
+    assert (view.name, view.namespace, view.uid) == ("gpt", "ml", "uid-1")
+    assert any(e.startswith("spec.replicas:") for e in view.spec_errors)
+    with pytest.raises(InvalidJobError, match=r"spec\.replicas"):
+        _ = view.master_port

@@ -1,22 +1,49 @@
 """A read-only view of a DistributedTrainingJob object (a plain dict, as the API server returns it).
 
-This module is the one place where the operator reads spec field names, so the reconciler and the
-manifest builders stay independent of how the object arrived (kopf body, kubernetes client dict,
-a test fixture). Defaults here match the CRD's defaults, so an object created by an API server
-without defaulting (or a unit-test dict) behaves the same as one that went through the CRD.
+Identity and status are read from the raw object; every spec value comes from the API's model
+(`DistributedTrainingJobSpec`, the single source of truth for field names and defaults), parsed
+once per view. A spec the model rejects does not raise on construction: `spec_errors` names the
+bad fields, so the reconciler can report them (condition Valid=False) before touching `spec`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
-GROUP = "training.dtjob.io"
-VERSION = "v1alpha1"
-PLURAL = "distributedtrainingjobs"
-KIND = "DistributedTrainingJob"
-API_VERSION = f"{GROUP}/{VERSION}"
+from pydantic import ValidationError
+
+from dtjob.api.models import (
+    API_VERSION,
+    GROUP,
+    KIND,
+    PLURAL,
+    TRAINER_CONTAINER,
+    VERSION,
+    CheckpointSpec,
+    CleanPodPolicy,
+    DistributedTrainingJobSpec,
+    RestartPolicy,
+)
+from dtjob.api.rules import InvalidJobError
+
+__all__ = [
+    "API_VERSION",
+    "EXIT_CHECKPOINTED",
+    "GROUP",
+    "KIND",
+    "LABEL_GENERATION",
+    "LABEL_JOB",
+    "LABEL_MANAGED_BY",
+    "LABEL_RANK",
+    "MANAGED_BY",
+    "PLURAL",
+    "TRAINER_CONTAINER",
+    "VERSION",
+    "JobView",
+]
 
 # Labels of DESIGN.md ("What the operator gives each worker pod").
 LABEL_JOB = "training.dtjob.io/job-name"
@@ -25,21 +52,8 @@ LABEL_GENERATION = "training.dtjob.io/generation"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 MANAGED_BY = "dtjob-operator"
 
-TRAINER_CONTAINER = "trainer"
-DEFAULT_MASTER_PORT = 29500
-# The trainer's Prometheus endpoint inside each pod's own network namespace; every pod has its
-# own IP, so one fixed port for all workers is enough.
-DEFAULT_METRICS_PORT = 9400
-# How long a gang may stay unschedulable before the job shrinks to what fits.
-DEFAULT_SCHEDULING_TIMEOUT_SECONDS = 60
-DEFAULT_MAX_RESTARTS = 3
-DEFAULT_CHECKPOINT_MOUNT_PATH = "/checkpoints"
 # The exit code of a trainer that stopped cleanly after a checkpoint (DESIGN.md, Trainer contract).
 EXIT_CHECKPOINTED = 75
-# Exit codes meaning "this will fail again however often it is restarted", after Kubeflow's
-# ExitCode restart policy: 1 and 2 are generic errors and usage errors, 126/127 a command that
-# cannot run or does not exist. Signals (128+n) and 75 are retryable. The spec can override.
-DEFAULT_PERMANENT_EXIT_CODES: tuple[int, ...] = (2, 126, 127)
 
 
 def _get(obj: Mapping[str, Any] | None, *path: str, default: Any = None) -> Any:
@@ -51,13 +65,27 @@ def _get(obj: Mapping[str, Any] | None, *path: str, default: Any = None) -> Any:
     return cur
 
 
+def _parse_spec(body: Mapping[str, Any]) -> tuple[DistributedTrainingJobSpec | None, list[str]]:
+    """The spec as the model (defaults filled in), or None and one `spec.<field>: message` per error."""
+    try:
+        return DistributedTrainingJobSpec.model_validate(_get(body, "spec", default={})), []
+    except ValidationError as error:
+        errors = [
+            ".".join(("spec", *(str(part) for part in e["loc"]))) + f": {e['msg']}" for e in error.errors()
+        ]
+        return None, errors
+
+
 @dataclass(frozen=True)
 class JobView:
-    """The fields of a job the operator acts on, with defaults applied."""
+    """The fields of a job the operator acts on, with the API model's defaults applied.
+
+    Not slotted: `cached_property` stores the parsed spec in the instance's __dict__.
+    """
 
     body: Mapping[str, Any]
 
-    # identity -----------------------------------------------------------------------------
+    # identity (raw object: always readable, even with an invalid spec) -------------------
     @property
     def name(self) -> str:
         return str(_get(self.body, "metadata", "name", default=""))
@@ -75,27 +103,45 @@ class JobView:
         return _get(self.body, "metadata", "deletionTimestamp") is not None
 
     @property
-    def spec(self) -> Mapping[str, Any]:
-        return _get(self.body, "spec", default={})
-
-    @property
     def status(self) -> Mapping[str, Any]:
         return _get(self.body, "status", default={})
+
+    @property
+    def selector(self) -> str:
+        """The label selector string of the scale subresource (status.selector)."""
+        return f"{LABEL_JOB}={self.name}"
+
+    # the parsed spec ----------------------------------------------------------------------
+    @cached_property
+    def _parsed(self) -> tuple[DistributedTrainingJobSpec | None, list[str]]:
+        return _parse_spec(self.body)
+
+    @property
+    def spec_errors(self) -> list[str]:
+        """Why the spec is not a valid DistributedTrainingJobSpec; empty when it is."""
+        return self._parsed[1]
+
+    @property
+    def spec(self) -> DistributedTrainingJobSpec:
+        """The spec with defaults; InvalidJobError (naming the fields) if spec_errors is not empty."""
+        spec, errors = self._parsed
+        if spec is None:
+            raise InvalidJobError(errors)
+        return spec
 
     # sizes --------------------------------------------------------------------------------
     @property
     def replicas(self) -> int:
-        return int(_get(self.spec, "replicas", default=1))
+        return self.spec.replicas
 
     @property
     def min_replicas(self) -> int:
-        return int(_get(self.spec, "elastic", "minReplicas", default=self.replicas))
+        return self.spec.min_world_size
 
     @property
     def max_replicas(self) -> int | None:
         """None: no upper bound."""
-        value = _get(self.spec, "elastic", "maxReplicas", default=None)
-        return None if value is None else int(value)
+        return self.spec.elastic.max_replicas
 
     @property
     def desired_replicas(self) -> int:
@@ -105,95 +151,93 @@ class JobView:
 
     @property
     def max_restarts(self) -> int:
-        return int(_get(self.spec, "elastic", "maxRestarts", default=DEFAULT_MAX_RESTARTS))
+        return self.spec.elastic.max_restarts
 
     @property
     def scheduling_timeout_seconds(self) -> float:
         """elastic.unschedulableTimeoutSeconds: how long pods may stay unschedulable."""
-        value = _get(self.spec, "elastic", "unschedulableTimeoutSeconds", default=None)
-        return float(DEFAULT_SCHEDULING_TIMEOUT_SECONDS if value is None else value)
+        return float(self.spec.elastic.unschedulable_timeout_seconds)
 
     @property
     def restart_policy(self) -> str:
         """OnFailure (always restart), Never (any failure fails the job) or ExitCode (default)."""
-        return str(_get(self.spec, "elastic", "restartPolicy", default="ExitCode"))
+        return self.spec.elastic.restart_policy.value
 
     def is_permanent_exit_code(self, code: int) -> bool:
         """Whether a worker's failure fails the job at once instead of restarting the gang."""
-        if self.restart_policy == "Never":
+        policy = self.spec.elastic.restart_policy
+        if policy == RestartPolicy.NEVER:
             return True
-        if self.restart_policy == "OnFailure":
+        if policy == RestartPolicy.ON_FAILURE:
             return False
-        codes = _get(self.spec, "elastic", "permanentExitCodes", default=DEFAULT_PERMANENT_EXIT_CODES)
-        return code in {int(c) for c in codes}
+        return code in self.spec.elastic.permanent_exit_codes
 
     # ports and paths ----------------------------------------------------------------------
     @property
     def master_port(self) -> int:
-        return int(_get(self.spec, "masterPort", default=DEFAULT_MASTER_PORT))
+        return self.spec.master_port
 
     @property
     def metrics_port(self) -> int:
-        return int(_get(self.spec, "metricsPort", default=DEFAULT_METRICS_PORT))
+        return self.spec.metrics_port
 
     @property
     def checkpoint_mount_path(self) -> str:
-        return str(_get(self.spec, "checkpoint", "mountPath", default=DEFAULT_CHECKPOINT_MOUNT_PATH))
+        """DTJOB_CHECKPOINT_DIR; without spec.checkpoint, the model's default mountPath (the
+        trainer then writes into its own container filesystem)."""
+        checkpoint = self.spec.checkpoint
+        if checkpoint is None:
+            return str(CheckpointSpec.model_fields["mount_path"].default)
+        return checkpoint.mount_path
 
     @property
     def checkpoint_volume(self) -> Mapping[str, Any] | None:
-        return _get(self.spec, "checkpoint", "volume", default=None)
+        checkpoint = self.spec.checkpoint
+        return None if checkpoint is None else checkpoint.volume
 
     @property
     def template(self) -> Mapping[str, Any]:
-        return _get(self.spec, "template", default={})
+        return self.spec.template
 
     # scheduling ---------------------------------------------------------------------------
     @property
     def scheduler_name(self) -> str | None:
-        name = _get(self.spec, "scheduling", "schedulerName", default=None)
+        name = self.spec.scheduling.scheduler_name
         if name is None and self.gang:
             return "volcano"
-        return None if name is None else str(name)
+        return name
 
     @property
     def gang(self) -> bool:
-        return bool(_get(self.spec, "scheduling", "gang", default=False))
+        return self.spec.scheduling.gang
 
     @property
     def uses_podgroup(self) -> bool:
         """A Volcano PodGroup is made when the job asks for Volcano or for gang scheduling."""
-        return self.gang or _get(self.spec, "scheduling", "schedulerName", default=None) == "volcano"
+        return self.gang or self.spec.scheduling.scheduler_name == "volcano"
 
     @property
     def queue(self) -> str | None:
-        return _get(self.spec, "scheduling", "queue", default=None)
+        return self.spec.scheduling.queue
 
     @property
     def priority_class_name(self) -> str | None:
-        return _get(self.spec, "scheduling", "priorityClassName", default=None)
+        return self.spec.scheduling.priority_class_name
 
     # run policy ---------------------------------------------------------------------------
     @property
     def suspend(self) -> bool:
-        return bool(_get(self.spec, "runPolicy", "suspend", default=False))
+        return self.spec.run_policy.suspend
 
     @property
     def active_deadline_seconds(self) -> int | None:
-        value = _get(self.spec, "runPolicy", "activeDeadlineSeconds", default=None)
-        return None if value is None else int(value)
+        return self.spec.run_policy.active_deadline_seconds
 
     @property
     def ttl_seconds_after_finished(self) -> int | None:
-        value = _get(self.spec, "runPolicy", "ttlSecondsAfterFinished", default=None)
-        return None if value is None else int(value)
+        return self.spec.run_policy.ttl_seconds_after_finished
 
     @property
     def clean_pod_policy(self) -> str:
         """Which pods to delete once the job finished: All, Running (default) or None."""
-        return str(_get(self.spec, "runPolicy", "cleanPodPolicy", default="Running"))
-
-    @property
-    def selector(self) -> str:
-        """The label selector string of the scale subresource (status.selector)."""
-        return f"{LABEL_JOB}={self.name}"
+        return CleanPodPolicy(self.spec.run_policy.clean_pod_policy).value

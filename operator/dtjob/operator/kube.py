@@ -168,7 +168,9 @@ class Kube:
             if e.status != 404:
                 raise
             service_exists = False
-        podgroup = self._get_podgroup(view) if view.uses_podgroup else None
+        # An invalid spec is reported by the reconciler; observing must not trip over it first.
+        spec_ok = not view.spec_errors
+        podgroup = self._get_podgroup(view) if spec_ok and view.uses_podgroup else None
         return Observed(
             job=job,
             pods=pods,
@@ -177,7 +179,7 @@ class Kube:
             node_pods=node_pods,
             service_exists=service_exists,
             podgroup=podgroup,
-            metrics=self._scrape_rank0(view, pods),
+            metrics=self._scrape_rank0(view, pods) if spec_ok else None,
         )
 
     def _get_podgroup(self, job: JobView) -> dict[str, Any] | None:

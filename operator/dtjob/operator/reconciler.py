@@ -244,9 +244,12 @@ def reconcile(obs: Observed) -> list[Action]:
     workers = [Worker.of(pod) for pod in obs.pods]
 
     if p.status.get("phase") in FINISHED:
-        _clean_up_finished(p, workers)
+        # The clean-up policy is part of the spec: a spec the model rejects leaves the pods alone.
+        if not job.spec_errors:
+            _clean_up_finished(p, workers)
         return _finish(p)
 
+    # Before anything reads job.spec (which raises on a spec the model rejects).
     problems = validate_job(dict(obs.job))
     if problems:
         # The API server's CEL rules normally stop these; an API server without them must not
