@@ -65,7 +65,15 @@ class Demo:
 
     def install_crd(self) -> None:
         self.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD))
-        self.kubectl("wait", "--for=condition=Established", "--timeout=60s", "-f", str(CRD))
+        # Polled: `kubectl wait --for=condition=Established` fails at once while a just-created
+        # CRD has no status yet.
+        established = '{.status.conditions[?(@.type=="Established")].status}'
+        name = self.kubectl("get", "-f", str(CRD), "-o", "jsonpath={.metadata.name}").stdout.strip()
+        deadline = time.monotonic() + 60
+        while self.kubectl("get", f"crd/{name}", "-o", f"jsonpath={established}").stdout != "True":
+            if time.monotonic() > deadline:
+                raise SystemExit(f"demo: CRD {name} not Established after 60 s")
+            time.sleep(0.5)
         print(f"CRD: {CRD.name} installed")
 
     def start_operator(self, namespace: str) -> Path:

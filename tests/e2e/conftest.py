@@ -113,6 +113,20 @@ def wait_for(what: str, predicate: Callable[[], bool], timeout: float = 60.0, in
     pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
+def apply_crd(path: Path, timeout: float = 60.0) -> None:
+    """Server-side apply a CRD (ours is larger than client-side apply's annotation allows) and
+    wait until it is Established. Polled: `kubectl wait --for=condition=Established` fails at
+    once ("conditions accessor error") while a just-created CRD has no status yet."""
+    kubectl("apply", "--server-side", "--force-conflicts", "-f", str(path), check=True)
+    name = kubectl("get", "-f", str(path), "-o", "jsonpath={.metadata.name}", check=True).stdout.strip()
+    established = '{.status.conditions[?(@.type=="Established")].status}'
+    wait_for(
+        f"CRD {name} to be Established",
+        lambda: kubectl("get", f"crd/{name}", "-o", f"jsonpath={established}").stdout == "True",
+        timeout=timeout,
+    )
+
+
 def _lines(argv: list[str]) -> set[str]:
     result = subprocess.run(argv, capture_output=True, text=True, check=False)
     return {line.split()[0] for line in result.stdout.splitlines() if line.strip()}

@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.e2e.conftest import kubectl, kubectl_json, wait_for
+from tests.e2e.conftest import apply_crd, kubectl, kubectl_json, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 CRD = REPO / "crds" / "training.dtjob.io_distributedtrainingjobs.yaml"
@@ -79,8 +79,7 @@ class Operator:
 
 
 def ensure_crd() -> None:
-    kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD), check=True)
-    kubectl("wait", "--for=condition=Established", "--timeout=60s", "-f", str(CRD), check=True)
+    apply_crd(CRD)
 
 
 def operator_namespace(prefix: str) -> Iterator[Operator]:

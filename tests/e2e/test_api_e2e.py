@@ -18,7 +18,7 @@ import yaml
 
 from dtjob.api import crd, parse_job
 from dtjob.api.models import ElasticPolicy
-from tests.e2e.conftest import Devcluster, kubectl, kubectl_json, wait_for
+from tests.e2e.conftest import Devcluster, apply_crd, kubectl, kubectl_json
 from tests.unit.test_api_validation import INVALID, Invalid, base_job, broken
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,14 +32,7 @@ pytestmark = pytest.mark.e2e
 def namespace(devcluster: Devcluster) -> Iterator[str]:
     """The current CRD installed (server-side apply: it is larger than a client-side apply likes),
     and a namespace of our own for the jobs."""
-    apply = ["apply", "--server-side", "--force-conflicts", "--field-manager=dtjob-api-e2e"]
-    kubectl(*apply, "-f", str(CRD_PATH), check=True)
-    # Polled rather than `kubectl wait`, which errors out while the CRD has no conditions yet.
-    established = '{.status.conditions[?(@.type=="Established")].status}'
-    wait_for(
-        "the CRD to be Established",
-        lambda: kubectl("get", f"crd/{crd.CRD_NAME}", "-o", f"jsonpath={established}").stdout == "True",
-    )
+    apply_crd(CRD_PATH)
     name = f"api-e2e-{uuid.uuid4().hex[:6]}"
     kubectl("create", "namespace", name, check=True)
     try:

@@ -31,7 +31,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.e2e.conftest import Devcluster, helm, kubectl, kubectl_json, wait_for
+from tests.e2e.conftest import Devcluster, apply_crd, helm, kubectl, kubectl_json, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -373,8 +373,7 @@ def test_volcano_podgroups_need_the_volcano_value(release: None) -> None:
     pass creates it."""
     crd = VOLCANO_FIXTURES / "scheduling.volcano.sh_podgroups.yaml"
     assert crd.is_file(), f"Volcano's PodGroup CRD is missing: {crd}"
-    kubectl("apply", "--server-side", "-f", str(crd), check=True)
-    kubectl("wait", "--for=condition=Established", "--timeout=60s", "-f", str(crd), check=True)
+    apply_crd(crd)
     name = "gang"
     job = small_job(name, SLEEPER)
     job["spec"]["scheduling"] = {"schedulerName": "volcano"}

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.e2e.conftest import Devcluster, kubectl, kubectl_json, wait_for
+from tests.e2e.conftest import Devcluster, apply_crd, kubectl, kubectl_json, wait_for
 from tests.e2e.operator_harness import (
     REPO,
     SCRATCH,
@@ -90,8 +90,7 @@ def test_volcano_job_gets_a_podgroup_of_the_gang_shape(op: Operator) -> None:
     crd = VOLCANO_FIXTURES / "scheduling.volcano.sh_podgroups.yaml"
     if not crd.exists():
         pytest.skip(f"Volcano's PodGroup CRD is not at {crd}")
-    kubectl("apply", "--server-side", "-f", str(crd), check=True)
-    kubectl("wait", "--for=condition=Established", "--timeout=60s", "-f", str(crd), check=True)
+    apply_crd(crd)
     priority = "apiVersion: scheduling.k8s.io/v1\nkind: PriorityClass\nmetadata: {name: dtjob-e2e-high}\n"
     priority += "value: 1000\n"
     kubectl("apply", "-f", "-", input=priority, check=True)
