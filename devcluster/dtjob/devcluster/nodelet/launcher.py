@@ -2,10 +2,16 @@
 
     python -I -S launcher.py PLAN.json
 
-PLAN: {"hostname", "mounts": [{"source", "target", "readOnly"}], "env": {...}, "workingDir",
-"runAsUser", "runAsGroup", "supplementalGroups", "argv": [...]}. It sets the hostname, bind-mounts
-every volume at its mountPath (this mount namespace is private, so nothing shows on the host), drops
-to the requested user and group, and execs argv. Standard library only: it must start fast.
+PLAN: {"hostname", "mounts": [{"source", "target", "readOnly"}], "keep": [...], "env": {...},
+"workingDir", "runAsUser", "runAsGroup", "supplementalGroups", "argv": [...]}. It sets the
+hostname, bind-mounts every volume at its mountPath (this mount namespace is private, so nothing
+shows on the host), drops to the requested user and group, and execs argv. Standard library only:
+it must start fast.
+
+A volume may be mounted over a directory that holds what the pod needs: an emptyDir at /tmp hides
+a checkout (and its venv) under /tmp, and the nodelet's own state dir with the other volumes'
+sources. So every source is opened before the first mount and mounted through its descriptor, and
+each "keep" path (the checkout, the Python installation) that a mount hid is bind-mounted back.
 """
 
 from __future__ import annotations
@@ -43,10 +49,29 @@ def bind_mount(source: str, target: str, read_only: bool) -> None:
             raise OSError(err, f"making {target} read-only: {os.strerror(err)}")
 
 
+def _open_path(path: str) -> int:
+    return os.open(path, os.O_PATH | os.O_CLOEXEC)
+
+
+def _same_file(path: str, fd: int) -> bool:
+    try:
+        st, want = os.stat(path), os.fstat(fd)
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino) == (want.st_dev, want.st_ino)
+
+
 def run(plan: dict[str, Any]) -> None:
     socket.sethostname(plan["hostname"])
-    for m in plan.get("mounts", []):
-        bind_mount(m["source"], m["target"], bool(m.get("readOnly")))
+    mounts = plan.get("mounts", [])
+    # Opened before any mount can hide them; /proc/self/fd/N names the opened file itself.
+    sources = [_open_path(m["source"]) for m in mounts]
+    keep = [(path, _open_path(path)) for path in plan.get("keep", []) if os.path.exists(path)]
+    for m, fd in zip(mounts, sources, strict=True):
+        bind_mount(f"/proc/self/fd/{fd}", m["target"], bool(m.get("readOnly")))
+    for path, fd in keep:
+        if not _same_file(path, fd):
+            bind_mount(f"/proc/self/fd/{fd}", path, read_only=False)
     workdir = plan.get("workingDir") or "/"
     os.makedirs(workdir, exist_ok=True)
     gid, uid = plan.get("runAsGroup"), plan.get("runAsUser")

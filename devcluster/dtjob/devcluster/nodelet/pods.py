@@ -236,6 +236,7 @@ class PodWorker:
             plan = {
                 "hostname": self.hostname,
                 "mounts": mount_plan(spec, self.volumes, env),
+                "keep": sandbox.KEEP_VISIBLE,
                 "env": env,
                 "workingDir": spec.get("workingDir"),
                 "argv": argv,

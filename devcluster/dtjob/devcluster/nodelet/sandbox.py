@@ -22,6 +22,10 @@ log = logging.getLogger(__name__)
 
 ETC_NETNS = Path("/etc/netns")
 LAUNCHER = Path(__file__).with_name("launcher.py")
+# What every container runs with and must still see after its volumes are mounted (an emptyDir at
+# /tmp would hide a checkout under /tmp): the Python installation, the venv, and the checkout
+# whose sources the editable install points at (this file is <checkout>/devcluster/dtjob/...).
+KEEP_VISIBLE = sorted({sys.base_prefix, sys.prefix, str(Path(__file__).resolve().parents[4])})
 
 
 class SandboxError(Exception):
