@@ -48,7 +48,8 @@ CLUSTER_VIEW_TTL_SECONDS = 2.0
 METRICS_TIMEOUT_SECONDS = 1.0
 # Lines of a finished rank 0's log read to find its final step.
 FINAL_LOG_LINES = 20
-COMPLETE_LINE = re.compile(r"training complete at step (\d+)")
+# The trainer's closing line (trainer_image/dtjob/trainer/loop.py).
+COMPLETE_LINE = re.compile(r"training complete at step (\d+)(?:; last checkpoint step (\d+) at ([\d.]+))?")
 TRAINER_GAUGES = {
     "dtjob_trainer_step": "step",
     "dtjob_trainer_last_checkpoint_step": "checkpoint_step",
@@ -91,21 +92,27 @@ def parse_trainer_metrics(text: str) -> TrainerMetrics:
     )
 
 
-def final_step_from_log(text: str) -> int | None:
-    """The last step in a trainer's log: its last per-step JSON line, or its closing
-    "training complete at step N" line when the step lines went to --log-file."""
-    for line in reversed(text.splitlines()):
-        line = line.strip()
+def final_state_from_log(text: str) -> TrainerMetrics | None:
+    """The final step (and last checkpoint) in a finished trainer's log: its closing "training
+    complete at step N; last checkpoint step M at T" line, else its last per-step JSON line."""
+    lines = [line.strip() for line in reversed(text.splitlines())]
+    for line in lines:
+        match = COMPLETE_LINE.search(line)
+        if match:
+            step, ckpt_step, ckpt_time = match.groups()
+            return TrainerMetrics(
+                step=int(step),
+                checkpoint_step=None if ckpt_step is None else int(ckpt_step),
+                checkpoint_time=None if ckpt_time is None else float(ckpt_time),
+            )
+    for line in lines:
         if line.startswith("{"):
             try:
                 record = json.loads(line)
             except ValueError:
                 continue
             if isinstance(record, dict) and isinstance(record.get("step"), int):
-                return int(record["step"])
-        match = COMPLETE_LINE.search(line)
-        if match:
-            return int(match.group(1))
+                return TrainerMetrics(step=int(record["step"]))
     return None
 
 
@@ -210,7 +217,7 @@ class Kube:
         return None
 
     def _final_step(self, job: JobView, pod: str) -> TrainerMetrics | None:
-        """The step a finished rank 0 ended at, from its log (its metrics endpoint is gone)."""
+        """Where a finished rank 0 ended, from its log (its metrics endpoint is gone)."""
         if job.status.get("phase") in {"Succeeded", "Failed"}:
             return None  # already recorded
         try:
@@ -218,8 +225,7 @@ class Kube:
         except ApiException as e:
             log.debug("no log of %s/%s: %s", job.namespace, pod, e.reason)
             return None
-        step = final_step_from_log(str(text))
-        return None if step is None else TrainerMetrics(step=step)
+        return final_state_from_log(str(text))
 
     # acting -------------------------------------------------------------------------------
     def execute(self, job: Mapping[str, Any], actions: list[Action]) -> None:

@@ -56,6 +56,7 @@ class Trainer:
         )
         self.strategy: TrainStrategy | None = None
         self.last_saved_step = -1
+        self.last_saved_time = 0.0  # unix seconds of the checkpoint at last_saved_step
 
     def _load_corpus(self) -> Corpus:
         try:
@@ -115,6 +116,7 @@ class Trainer:
             torch.manual_seed(seed)
             random.seed(seed)
         self.last_saved_step = step
+        self.last_saved_time = float(loaded.manifest["time"])
         self.metrics.checkpoint_load_seconds.set(loaded.seconds)
         self.metrics.last_checkpoint_step.set(step)
         self.metrics.last_checkpoint_timestamp.set(loaded.manifest["time"])
@@ -143,9 +145,10 @@ class Trainer:
         path = self.checkpointer.save(step, self.strategy, meta)
         seconds = time.perf_counter() - started
         self.last_saved_step = step
+        self.last_saved_time = time.time()
         self.metrics.checkpoint_save_seconds.set(seconds)
         self.metrics.last_checkpoint_step.set(step)
-        self.metrics.last_checkpoint_timestamp.set(time.time())
+        self.metrics.last_checkpoint_timestamp.set(self.last_saved_time)
         self.metrics.checkpoints_saved.inc()
         log.info("checkpoint %s written in %.2fs", path, seconds)
 
@@ -217,7 +220,17 @@ class Trainer:
                     log.warning("stopping at step %d without a checkpoint: no --checkpoint-dir", step)
                 log.info("stopped after step %d on %s; exit %d", step, self.stop.signal_name, EXIT_STOPPED)
                 return EXIT_STOPPED
-        log.info("training complete at step %d", c.steps)
+        # The operator reads this line from rank 0's log once it exited (its metrics endpoint is
+        # gone by then): the final step and the last checkpoint (operator/dtjob/operator/kube.py).
+        if self.last_saved_step > 0:
+            log.info(
+                "training complete at step %d; last checkpoint step %d at %.3f",
+                c.steps,
+                self.last_saved_step,
+                self.last_saved_time,
+            )
+        else:
+            log.info("training complete at step %d", c.steps)
         return EXIT_OK
 
 
