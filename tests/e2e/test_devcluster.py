@@ -121,6 +121,22 @@ def test_up_on_a_running_cluster_changes_nothing(devcluster: Devcluster) -> None
     assert dtjob_devcluster("status", timeout=60).stdout == before  # same pids, all still healthy
 
 
+def test_up_leaves_a_node_stopped_on_purpose_stopped(devcluster: Devcluster) -> None:
+    node = "dtjob-node-3"
+    assert dtjob_devcluster("node", "stop", node).returncode == 0
+    try:
+        again = dtjob_devcluster("up")
+        assert again.returncode == 0, again.stderr
+        assert f"{node} stays stopped" in again.stdout
+        rows = dtjob_devcluster("status", timeout=60).stdout.splitlines()
+        row = next(line for line in rows if node in line)
+        assert "(stopped)" in row and row.split()[2] == "-", row  # no nodelet pid
+    finally:
+        started = dtjob_devcluster("node", "start", node)
+    assert started.returncode == 0, started.stderr
+    assert dtjob_devcluster("status", timeout=60).returncode == 0  # every node Ready again
+
+
 def test_up_with_another_shape_is_refused(devcluster: Devcluster) -> None:
     result = dtjob_devcluster("up", "--nodes", "5")
     assert result.returncode == 1

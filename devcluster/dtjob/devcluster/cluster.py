@@ -188,6 +188,13 @@ def _start_missing(
     _grant_nodelet_rbac(layout)
     since: dict[str, float | None] = {}
     for name in config.node_names:
+        stopped = layout.node_stopped_file(name)
+        if running and stopped.exists():
+            # Node loss simulated by `node stop` is a state of the cluster, not something `up`
+            # repairs: another test session's `up` must not revive a node mid node-loss test.
+            print(f"devcluster: {name} stays stopped (`dtjob devcluster node start {name}` starts it)")
+            continue
+        stopped.unlink(missing_ok=True)
         controlplane.ensure_node_pki(layout, name)
         since[name] = None
         if nodes.pid(layout, name) is None:
@@ -331,6 +338,8 @@ def status(layout: Layout) -> int:
     for name in config.node_names:
         pid = nodes.pid(layout, name)
         good = pid is not None and ready.get(name, False)
+        if layout.node_stopped_file(name).exists():
+            name += " (stopped)"
         ok &= good
         print(f"{name:<26}{pid or '-':>8}  {_yes(pid is not None):<6} {_yes(ready.get(name, False))}")
     return 0 if ok else 1
@@ -353,6 +362,7 @@ def node_stop(layout: Layout, name: str) -> int:
     with locked(layout):
         _known_node(layout, name)
         nodes.stop(layout, name)
+        layout.node_stopped_file(name).touch()
     print(f"devcluster: stopped {name} (its lease is no longer renewed; pods killed)")
     return 0
 
@@ -360,6 +370,7 @@ def node_stop(layout: Layout, name: str) -> int:
 def node_start(layout: Layout, name: str, timeout: float = NODES_TIMEOUT) -> int:
     with locked(layout):
         config = _known_node(layout, name)
+        layout.node_stopped_file(name).unlink(missing_ok=True)
         if nodes.pid(layout, name) is not None:
             print(f"devcluster: {name} is already running")
             return 0

@@ -128,3 +128,7 @@ class Layout:
 
     def node_pid_file(self, name: str) -> Path:
         return self.node_dir(name) / "nodelet.pid"
+
+    def node_stopped_file(self, name: str) -> Path:
+        """Present while a node is stopped on purpose (`node stop`): `up` leaves it stopped."""
+        return self.node_dir(name) / "stopped"
