@@ -212,6 +212,25 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
+class DataParallel:
+    """What DDP and FSDP share: every rank of `comm` is one replica reading its own slice of the
+    global batch, and one optimizer holds what the rank steps."""
+
+    comm: Comm
+    optimizer: torch.optim.Optimizer
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.comm.size
+
+    def set_lr(self, lr: float) -> None:
+        set_lr(self.optimizer, lr)
+
+
 def iter_unique(tensors: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
     """Tensors with distinct storages (shared parameters counted once)."""
     seen: set[int] = set()

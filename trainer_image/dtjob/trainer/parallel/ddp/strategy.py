@@ -25,7 +25,7 @@ from dtjob.trainer.parallel.state import FetchRange, FlatShard
 _WIRE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class DDPStrategy:
+class DDPStrategy(common.DataParallel):
     def __init__(
         self,
         model: nn.Module,
@@ -64,18 +64,7 @@ class DDPStrategy:
         self._reset_buckets()
         self.optimizer = optimizer_factory(list(self.named_params.values()))
 
-    # -- TrainStrategy -------------------------------------------------------------------------
-    @property
-    def data_parallel_rank(self) -> int:
-        return self.comm.rank
-
-    @property
-    def data_parallel_size(self) -> int:
-        return self.comm.size
-
-    def set_lr(self, lr: float) -> None:
-        common.set_lr(self.optimizer, lr)
-
+    # -- TrainStrategy (data_parallel_rank/size and set_lr: common.DataParallel) ----------------
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside accumulate gradients locally without communicating."""

@@ -41,7 +41,7 @@ class _Reduction:
         self.handle: Handle | None = None
 
 
-class FSDPStrategy:
+class FSDPStrategy(common.DataParallel):
     def __init__(
         self,
         model: nn.Module,
@@ -132,18 +132,7 @@ class FSDPStrategy:
         self._blocks_with_units = [b for b in blocks if id(b) in self._unit_of_block]
         return units, block_units, root
 
-    # -- TrainStrategy -------------------------------------------------------------------------
-    @property
-    def data_parallel_rank(self) -> int:
-        return self.comm.rank
-
-    @property
-    def data_parallel_size(self) -> int:
-        return self.comm.size
-
-    def set_lr(self, lr: float) -> None:
-        common.set_lr(self.optimizer, lr)
-
+    # -- TrainStrategy (data_parallel_rank/size and set_lr: common.DataParallel) ----------------
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Stage 1: accumulate full gradients locally. Stages 2/3 reduce-scatter every backward
