@@ -153,7 +153,7 @@ def operator_logs() -> str:
 
 def wait_for_log(pattern: str) -> None:
     """The operator's log shows `pattern` (polled: the nodelet serves logs a moment late)."""
-    wait_for(f"the operator's log to show {pattern!r}", lambda: bool(re.search(pattern, operator_logs())), 30)
+    wait_for(f"the operator's log to show {pattern!r}", lambda: bool(re.search(pattern, operator_logs())), 90)
 
 
 def http_ok(url: str) -> bool:

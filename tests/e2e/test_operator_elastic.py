@@ -116,8 +116,10 @@ def _devcluster_node(action: str, name: str) -> None:
 
 
 def test_node_loss_shrinks_not_below_min_and_grows_back_without_losing_a_step(op: Operator) -> None:
-    # 3 cpus per worker on 4-cpu nodes: one worker per node, no spare capacity anywhere.
-    steps = 60
+    # 3 cpus per worker on 4-cpu nodes: one worker per node, no spare capacity anywhere. 200 steps:
+    # with 60, the 2-worker generation (~4 steps/s) sometimes finished before the grow-back it is
+    # meant to be interrupted by, and the 3-worker generation then had no step left to run.
+    steps = 200
     manifest = job_manifest(op, "nodes", replicas=3, min_replicas=2, max_replicas=3, steps=steps, cpu="3",
                             checkpoint_every=4)  # fmt: skip
     apply(manifest)

@@ -196,6 +196,7 @@ class Trainer:
         start = self._resume(strategy)
         if start >= c.steps:
             log.info("checkpoint step %d is already at --steps %d; nothing to do", start, c.steps)
+            self._log_complete()
             return EXIT_OK
         if elastic.agree(self.stop.requested):
             log.info("stop requested before the first step; the newest checkpoint stays at step %d", start)
@@ -220,18 +221,23 @@ class Trainer:
                     log.warning("stopping at step %d without a checkpoint: no --checkpoint-dir", step)
                 log.info("stopped after step %d on %s; exit %d", step, self.stop.signal_name, EXIT_STOPPED)
                 return EXIT_STOPPED
-        # The operator reads this line from rank 0's log once it exited (its metrics endpoint is
-        # gone by then): the final step and the last checkpoint (operator/dtjob/operator/kube.py).
+        self._log_complete()
+        return EXIT_OK
+
+    def _log_complete(self) -> None:
+        """The operator reads this line from rank 0's log once it exited (its metrics endpoint is
+        gone by then): the final step and the last checkpoint (operator/dtjob/operator/kube.py).
+        Also written by a generation that found the work already done (a gang restarted just as
+        its predecessor finished), so the job's final step is never a stale scrape."""
         if self.last_saved_step > 0:
             log.info(
                 "training complete at step %d; last checkpoint step %d at %.3f",
-                c.steps,
+                self.c.steps,
                 self.last_saved_step,
                 self.last_saved_time,
             )
         else:
-            log.info("training complete at step %d", c.steps)
-        return EXIT_OK
+            log.info("training complete at step %d", self.c.steps)
 
 
 def open_output(c: TrainerConfig) -> AbstractContextManager[TextIO]:
