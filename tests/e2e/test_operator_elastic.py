@@ -53,7 +53,9 @@ def record(measurement: dict[str, object]) -> None:
 
 
 def test_kubectl_scale_down_and_up_loses_and_repeats_no_step(op: Operator) -> None:
-    steps = 90
+    # 300 steps: on an idle machine the 2-worker generation ran the last of 90 steps before the
+    # scale-up reached it, leaving the 3-worker generation nothing to do.
+    steps = 300
     apply(job_manifest(op, "scale", replicas=3, min_replicas=1, max_replicas=3, steps=steps))
     wait_phase(op, "scale", "Running")
     wait_step(op, "scale", 10)
