@@ -1,4 +1,4 @@
-"""Benchmark dtjob's collectives (ring, hd, auto) against torch's native gloo collectives.
+"""Benchmark dtjob's collectives (ring, hd, direct, auto) against torch's native gloo collectives.
 
     python bench/collectives.py                     # world sizes 2, 4, 8; 1 KiB .. 64 MiB
     python bench/collectives.py --quick             # world size 4 only, fewer repetitions
@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "trainer_image"))
 
 OPS = ("allreduce", "reduce_scatter", "allgather")
-IMPLS = ("native", "ring", "hd", "auto")
+IMPLS = ("native", "ring", "hd", "direct", "auto")
 RATIO_SIZES = (4 << 10, 1 << 20, 16 << 20, 64 << 20)
 
 

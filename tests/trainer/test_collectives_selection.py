@@ -11,8 +11,11 @@ from dtjob.trainer.collectives.halving_doubling import Fold
 from dtjob.trainer.collectives.reduce_ops import Reduction
 from dtjob.trainer.collectives.selection import ALGORITHMS, CostModel, choose, parse_override, predict
 
-# A loopback-like group: 50 us per message, 2.5 GB/s per link, 4 GB/s float32 adds.
-MODEL = CostModel(alpha=50e-6, beta=0.4e-9, gamma={"float32": 0.25e-9, "bfloat16": 1e-9})
+# A loopback-like group: 50 us per exchange, 2.5 GB/s per link, 4 GB/s float32 adds, 20 us per
+# further message posted in the same step.
+MODEL = CostModel(alpha=50e-6, beta=0.4e-9, gamma={"float32": 0.25e-9, "bfloat16": 1e-9}, overhead=20e-6)
+# The same links where a message posted alongside others costs 4x a whole exchange.
+COSTLY_MESSAGES = CostModel(alpha=50e-6, beta=0.4e-9, gamma={"float32": 0.25e-9}, overhead=200e-6)
 KiB, MiB = 1 << 10, 1 << 20
 
 
@@ -22,25 +25,36 @@ def test_tiny_all_reduce_takes_the_fewest_rounds() -> None:
     assert choose("allreduce", 4 * KiB, 8, "float32", MODEL) == "rd"
 
 
-def test_large_all_reduce_on_odd_world_sizes_takes_the_ring() -> None:
-    # HD's fold moves the whole vector twice more when n is not a power of two.
-    assert choose("allreduce", 64 * MiB, 6, "float32", MODEL) == "ring"
-    assert choose("allreduce", 64 * MiB, 3, "float32", MODEL) == "ring"
+def test_large_all_reduce_on_odd_world_sizes_avoids_the_fold() -> None:
+    # HD's fold moves the whole vector twice more when n is not a power of two; direct and ring
+    # move the same bytes, and direct saves the ring's dependent steps while messages are cheap.
+    for n in (3, 6):
+        assert choose("allreduce", 64 * MiB, n, "float32", MODEL) == "direct"
+        assert choose("allreduce", 64 * MiB, n, "float32", COSTLY_MESSAGES) == "ring"
+
+
+def test_direct_wins_from_mid_sizes_when_extra_messages_are_cheaper_than_steps() -> None:
+    # 4 ranks: 2 phases + 4 further messages instead of the ring's 6 steps or HD's 4.
+    assert choose("allreduce", 4 * MiB, 4, "float32", MODEL) == "direct"
+    assert choose("reduce_scatter", 4 * MiB, 4, "float32", MODEL) == "direct"
+    assert choose("allgather", 4 * MiB, 4, "float32", MODEL) == "direct"
+    assert choose("allreduce", 4 * MiB, 4, "float32", COSTLY_MESSAGES) in ("ring", "hd")
 
 
 def test_large_all_reduce_on_powers_of_two_avoids_recursive_doubling() -> None:
-    assert choose("allreduce", 64 * MiB, 8, "float32", MODEL) in ("ring", "hd")
+    assert choose("allreduce", 64 * MiB, 8, "float32", MODEL) == "direct"
+    assert choose("allreduce", 64 * MiB, 8, "float32", COSTLY_MESSAGES) in ("ring", "hd")
 
 
 def test_bandwidth_heavy_model_moves_the_crossover_up() -> None:
-    slow_links = CostModel(alpha=5e-6, beta=5e-9, gamma={"float32": 0.25e-9})
-    # Latency is cheap here, so the ring's bandwidth-optimal steps win earlier than with MODEL.
+    slow_links = CostModel(alpha=5e-6, beta=5e-9, gamma={"float32": 0.25e-9}, overhead=2e-6)
+    # Latency is cheap here, so bandwidth-optimal algorithms win earlier than with MODEL.
     sizes = [2**k for k in range(10, 27)]
 
-    def first_ring(model: CostModel) -> int:
-        return next(s for s in sizes if choose("allreduce", s, 6, "float32", model) == "ring")
+    def first_bandwidth_optimal(model: CostModel) -> int:
+        return next(s for s in sizes if choose("allreduce", s, 6, "float32", model) in ("ring", "direct"))
 
-    assert first_ring(slow_links) < first_ring(MODEL)
+    assert first_bandwidth_optimal(slow_links) < first_bandwidth_optimal(MODEL)
 
 
 def test_broadcast_uses_the_tree_for_small_and_scatter_allgather_for_large() -> None:

@@ -1,4 +1,4 @@
-"""dtjob's own collectives: Ring and Halving-Doubling built from torch.distributed point-to-point ops.
+"""dtjob's own collectives: Ring, Halving-Doubling and Direct built from torch.distributed p2p ops.
 
     from dtjob.trainer.collectives import all_reduce
     all_reduce(grad, op=ReduceOp.AVG, group=dp_group)              # algorithm chosen by cost model
@@ -6,8 +6,9 @@
     DTJOB_COLLECTIVE_ALGO="allreduce:hd;reduce_scatter:ring"       # or forced per op, like NCCL_ALGO
 
 Same signatures, in-place behaviour and argument order as torch.distributed, plus the keyword
-`algorithm` ("auto", "ring", "hd"; also "rd" for all_reduce and "tree" for broadcast). Works on
-gloo and NCCL, any group, any world size, any length; results are bitwise identical on every rank.
+`algorithm` ("auto", "ring", "hd"; "direct" for all_reduce, reduce_scatter and all_gather; "rd"
+for all_reduce; "tree" for broadcast). Works on gloo and NCCL, any group, any world size, any
+length; results are bitwise identical on every rank.
 """
 
 from dtjob.trainer.collectives.api import (

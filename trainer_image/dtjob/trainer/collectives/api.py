@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from dtjob.trainer.collectives import broadcast as broadcast_algos
-from dtjob.trainer.collectives import halving_doubling, ring, selection
+from dtjob.trainer.collectives import direct, halving_doubling, ring, selection
 from dtjob.trainer.collectives.calibration import cost_model
 from dtjob.trainer.collectives.comm import Comm
 from dtjob.trainer.collectives.reduce_ops import SUPPORTED_DTYPES, ReduceOpLike, Reduction
@@ -111,6 +111,8 @@ def all_reduce(
         algo = _resolve("allreduce", choice, runner, comm, flat.numel() * flat.element_size(), flat.dtype)
         if algo == "ring":
             ring.all_reduce(comm, flat, reduction)
+        elif algo == "direct":
+            direct.all_reduce(comm, flat, reduction)
         elif algo == "hd":
             halving_doubling.all_reduce(comm, flat, reduction)
         else:
@@ -160,6 +162,8 @@ def reduce_scatter_tensor(
         )
         if algo == "ring":
             ring.reduce_scatter(comm, work, bounds, reduction)
+        elif algo == "direct":
+            direct.reduce_scatter(comm, work, bounds, reduction)
         else:
             halving_doubling.reduce_scatter(comm, work, bounds, reduction)
         output.copy_(work[bounds[comm.rank] : bounds[comm.rank + 1]].view(output.shape))
@@ -202,6 +206,8 @@ def all_gather_into_tensor(
         algo = _resolve("allgather", choice, runner, comm, flat.numel() * flat.element_size(), flat.dtype)
         if algo == "ring":
             ring.all_gather(comm, flat, bounds)
+        elif algo == "direct":
+            direct.all_gather(comm, flat, bounds)
         else:
             halving_doubling.all_gather(comm, flat, bounds)
         if copied:

@@ -3,9 +3,12 @@
 The cost model (Hockney's alpha-beta plus a gamma term for reduction, as in Thakur, Rabenseifner
 and Gropp, "Optimization of collective communication operations in MPICH", 2005):
 
-    alpha  seconds per message (wire latency plus our per-message Python and wake-up overhead)
-    beta   seconds per byte moved over one link
-    gamma  seconds per byte reduced, per dtype (bfloat16 adds are much slower than float32 on CPU)
+    alpha     seconds per dependent step: one exchange of a small message with one peer (wire
+              latency plus our per-message Python and wake-up overhead)
+    beta      seconds per byte moved over one link
+    gamma     seconds per byte reduced, per dtype (bfloat16 adds are much slower than float32 on CPU)
+    overhead  seconds each further message pair costs when a step posts several at once (LogP's o):
+              what the direct algorithm pays instead of the ring's extra alphas
 
 The pipelined algorithms cut each region into segments (comm.segments_for); each costs one alpha.
 The constants are measured on the running group (calibration.py) and then identical on every rank,
@@ -24,9 +27,9 @@ from dtjob.trainer.collectives.comm import segments_for
 ENV_VAR = "DTJOB_COLLECTIVE_ALGO"
 
 ALGORITHMS: dict[str, tuple[str, ...]] = {
-    "allreduce": ("ring", "hd", "rd"),
-    "reduce_scatter": ("ring", "hd"),
-    "allgather": ("ring", "hd"),
+    "allreduce": ("ring", "hd", "rd", "direct"),
+    "reduce_scatter": ("ring", "hd", "direct"),
+    "allgather": ("ring", "hd", "direct"),
     "broadcast": ("tree", "ring", "hd"),
 }
 
@@ -48,6 +51,7 @@ class CostModel:
     alpha: float
     beta: float
     gamma: dict[str, float] = field(default_factory=dict)  # dtype name ("float32") -> s/byte
+    overhead: float = 0.0
 
     def gamma_for(self, dtype_name: str) -> float:
         if dtype_name in self.gamma:
@@ -56,8 +60,9 @@ class CostModel:
 
 
 # Used when nothing was measured yet (unit tests, or calibration=False): loopback TCP on one host,
-# ~60 us per message through Python, ~2.5 GB/s per link, ~4 GB/s float32 adds.
-DEFAULT_COSTS = CostModel(alpha=60e-6, beta=0.4e-9, gamma={"float32": 0.25e-9})
+# ~60 us per exchange through Python, ~2.5 GB/s per link, ~4 GB/s float32 adds, ~40 us per further
+# message posted in the same step.
+DEFAULT_COSTS = CostModel(alpha=60e-6, beta=0.4e-9, gamma={"float32": 0.25e-9}, overhead=40e-6)
 
 
 def _fold(n: int) -> tuple[int, int]:
@@ -77,6 +82,12 @@ def _halving(m: CostModel, p: int, nbytes: float, gamma: float) -> float:
         size /= 2
         total += _move(m, size) + size * gamma
     return total
+
+
+def _direct_phase(m: CostModel, n: int, chunk: float) -> float:
+    """n-1 chunks to n-1 peers at once: one step's latency, n-2 further message pairs, and the
+    n-1 chunks through this rank's link one after another (the ring moves the same bytes)."""
+    return m.alpha + (n - 2) * m.overhead + (n - 1) * chunk * m.beta
 
 
 def predict(op: str, algorithm: str, nbytes: int, world_size: int, dtype_name: str, m: CostModel) -> float:
@@ -105,14 +116,20 @@ def predict(op: str, algorithm: str, nbytes: int, world_size: int, dtype_name: s
                 + log_p * (_move(m, nbytes, False) + nbytes * g)
                 + (_move(m, nbytes, False) if extra else 0.0)
             )
+        if algorithm == "direct":
+            return 2 * _direct_phase(m, n, chunk) + (n - 1) * chunk * g
     if op == "reduce_scatter":
         if algorithm == "ring":
             return (n - 1) * (_move(m, chunk) + chunk * g)
+        if algorithm == "direct":
+            return _direct_phase(m, n, chunk) + (n - 1) * chunk * g
         if algorithm == "hd":
             return fold_reduce + _halving(m, p, nbytes, g) + (_move(m, chunk) if extra else 0.0)
     if op == "allgather":
         if algorithm == "ring":
             return (n - 1) * _move(m, chunk)
+        if algorithm == "direct":
+            return _direct_phase(m, n, chunk)
         if algorithm == "hd":
             return (
                 (_move(m, chunk) if extra else 0.0)
