@@ -1,10 +1,11 @@
 """Measure alpha, beta, gamma and the per-message overhead on the running group, once per group.
 
 Every rank times ring exchanges (send to rank+1, receive from rank-1) of 8 B, 64 KiB and 1 MiB, one
-step of eight 8-byte messages, and local reductions of each dtype. It keeps the fastest of several
-repetitions - on a shared machine the slow ones measure other processes, not the link - and fits
-t = alpha + beta * bytes through the two large points (alpha is the 8-byte time; the overhead is
-what each of the seven further messages added). The ranks then average their numbers with the ring
+8-byte exchange with every other rank at once, and local reductions of each dtype. It keeps the
+fastest of several repetitions - on a shared machine the slow ones measure other processes, not the
+link - and fits t = alpha + beta * bytes through the two large points. alpha and the overhead are
+timed over chains of dependent 8-byte steps (alpha: per plain exchange; overhead: what each of the
+n-2 further peers of an all-peers step adds). The ranks then average their numbers with the ring
 all-reduce, so every rank holds the same bits and picks the same algorithms. It costs a few tens
 of milliseconds, once, inside the collective that triggered it, in the group's call order, so it
 is itself a well-ordered collective.
@@ -25,26 +26,35 @@ from dtjob.trainer.collectives.work import GroupRunner
 # (bytes, repetitions): enough repetitions that the fastest is a clean one, ~20-40 ms in all.
 _PROBES = ((8, 12), (64 << 10, 6), (1 << 20, 4))
 _WARMUP = 2
-# Small messages posted in one step to time the per-message overhead: (t(8) - t(1)) / 7.
-_BATCH = 8
+# alpha and the overhead are timed over chains of 6 dependent 8-byte steps, best of 5.
+_CHAIN = 6
+_CHAINED_REPS = 5
 _REDUCE_BYTES = 1 << 20
 _REDUCE_REPS = 4
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64)
 
 
-def _exchange_seconds(comm: Comm, nbytes: int, reps: int, messages: int = 1) -> float:
-    """Fastest time of `messages` sends to rank+1 (and receives from rank-1), posted at once."""
+def _exchange_seconds(comm: Comm, nbytes: int, reps: int, all_peers: bool = False, chain: int = 1) -> float:
+    """Fastest time of a send to rank+1 and a receive from rank-1 - or, with `all_peers`, of a send
+    to and a receive from every other rank, all posted at once (one step of the direct algorithm).
+
+    With `chain` > 1 each repetition runs that many steps back to back and reports the mean: a step
+    that must wait for the previous one also waits for descheduled peers, which is what dependent
+    steps cost when ranks outnumber cores (several times a lone exchange here).
+    """
     send = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
-    recvs_into = [torch.empty_like(send) for _ in range(messages)]
-    nxt, prv = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+    n, r = comm.size, comm.rank
+    offsets = range(1, n) if all_peers else range(1, 2)
+    recvs_into = [(torch.empty_like(send), (r - i) % n) for i in offsets]
     best = float("inf")
     for i in range(reps + _WARMUP):
         start = time.perf_counter()
-        sends, recvs = comm.post(sends=[(send, nxt)] * messages, recvs=[(r, prv) for r in recvs_into])
-        wait_all(recvs)
-        wait_all(sends)
+        for _ in range(chain):
+            sends, recvs = comm.post(sends=[(send, (r + i) % n) for i in offsets], recvs=recvs_into)
+            wait_all(recvs)
+            wait_all(sends)
         if i >= _WARMUP:
-            best = min(best, time.perf_counter() - start)
+            best = min(best, (time.perf_counter() - start) / chain)
     return best
 
 
@@ -66,10 +76,13 @@ def measure(comm: Comm) -> CostModel:
         return DEFAULT_COSTS
     mid, big = _PROBES[1][0], _PROBES[2][0]
     times = [_exchange_seconds(comm, nbytes, reps) for nbytes, reps in _PROBES]
-    alpha = times[0]
     beta = max((times[2] - times[1]) / (big - mid), 1e-12)
-    batch = _exchange_seconds(comm, 8, _PROBES[0][1], messages=_BATCH)
-    overhead = max((batch - alpha) / (_BATCH - 1), 0.0)
+    alpha = _exchange_seconds(comm, 8, _CHAINED_REPS, chain=_CHAIN)
+    # What each of the n-2 further message pairs of a direct step adds to a plain exchange.
+    overhead = 0.0
+    if comm.size > 2:
+        step = _exchange_seconds(comm, 8, _CHAINED_REPS, all_peers=True, chain=_CHAIN)
+        overhead = max((step - alpha) / (comm.size - 2), 0.0)
     gammas = [_reduce_seconds_per_byte(d) for d in _DTYPES]
     local = torch.tensor([alpha, beta, overhead, *gammas], dtype=torch.float64)
     ring.all_reduce(comm, local, Reduction(torch.distributed.ReduceOp.AVG, torch.float64))
