@@ -6,9 +6,9 @@ fastest of several repetitions - on a shared machine the slow ones measure other
 link - and fits t = alpha + beta * bytes through the two large points. alpha and the overhead are
 timed over chains of dependent 8-byte steps (alpha: per plain exchange; overhead: what each of the
 n-2 further peers of an all-peers step adds). The ranks then average their numbers with the ring
-all-reduce, so every rank holds the same bits and picks the same algorithms. It costs a few tens
-of milliseconds, once, inside the collective that triggered it, in the group's call order, so it
-is itself a well-ordered collective.
+all-reduce, so every rank holds the same bits and picks the same algorithms. It costs 50-150 ms
+here (4 ranks on 2 cores), once, inside the collective that triggered it, in the group's call
+order, so it is itself a well-ordered collective.
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ from dtjob.trainer.collectives.reduce_ops import Reduction
 from dtjob.trainer.collectives.selection import DEFAULT_COSTS, CostModel
 from dtjob.trainer.collectives.work import GroupRunner
 
-# (bytes, repetitions): enough repetitions that the fastest is a clean one, ~20-40 ms in all.
-_PROBES = ((8, 12), (64 << 10, 6), (1 << 20, 4))
+# (bytes, repetitions) of the two exchanges beta is fitted through: enough repetitions that the
+# fastest is a clean one.
+_PROBES = ((64 << 10, 6), (1 << 20, 4))
 _WARMUP = 2
 # alpha and the overhead are timed over chains of 6 dependent 8-byte steps, best of 5.
 _CHAIN = 6
@@ -74,9 +75,9 @@ def measure(comm: Comm) -> CostModel:
     """Run the calibration collectively on `comm`'s group; identical result on every rank."""
     if comm.size == 1:
         return DEFAULT_COSTS
-    mid, big = _PROBES[1][0], _PROBES[2][0]
-    times = [_exchange_seconds(comm, nbytes, reps) for nbytes, reps in _PROBES]
-    beta = max((times[2] - times[1]) / (big - mid), 1e-12)
+    (mid, _), (big, _) = _PROBES
+    mid_seconds, big_seconds = (_exchange_seconds(comm, nbytes, reps) for nbytes, reps in _PROBES)
+    beta = max((big_seconds - mid_seconds) / (big - mid), 1e-12)
     alpha = _exchange_seconds(comm, 8, _CHAINED_REPS, chain=_CHAIN)
     # What each of the n-2 further message pairs of a direct step adds to a plain exchange.
     overhead = 0.0
