@@ -249,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-bytes", type=int, default=1 << 10)
     parser.add_argument("--max-bytes", type=int, default=64 << 20)
     parser.add_argument("--runs", type=int, default=5, help="timed repetitions per point (median reported)")
+    parser.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS), help="what to time")
     parser.add_argument("--quick", action="store_true", help="world size 4 only, 3 runs")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "collectives.json")
     args = parser.parse_args(argv)
@@ -257,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     config = {
         "ops": args.ops,
         "sizes": _sizes(args.min_bytes, args.max_bytes),
-        "impls": IMPLS,
+        "impls": args.impls,
         "runs": args.runs,
     }
     started = time.time()

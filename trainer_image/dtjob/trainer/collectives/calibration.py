@@ -1,18 +1,19 @@
 """Measure alpha, beta, gamma and the per-message overhead on the running group, once per group.
 
-Every rank times ring exchanges (send to rank+1, receive from rank-1) of 8 B, 64 KiB and 1 MiB, one
-8-byte exchange with every other rank at once, and local reductions of each dtype. It keeps the
-fastest of several repetitions - on a shared machine the slow ones measure other processes, not the
-link - and fits t = alpha + beta * bytes through the two large points. alpha and the overhead are
-timed over chains of dependent 8-byte steps (alpha: per plain exchange; overhead: what each of the
-n-2 further peers of an all-peers step adds). The ranks then average their numbers with the ring
-all-reduce, so every rank holds the same bits and picks the same algorithms. It costs 50-150 ms
-here (4 ranks on 2 cores), once, inside the collective that triggered it, in the group's call
-order, so it is itself a well-ordered collective.
+Every rank times chains of ring exchanges (send to rank+1, receive from rank-1) of 8 B, 64 KiB and
+1 MiB, chains of 8-byte exchanges with every other rank at once, and local reductions of each dtype.
+Exchanges are medians over chains of dependent steps (see _step_seconds); alpha is the 8-byte step,
+beta the slope through the two larger ones, the overhead what each of the n-2 further peers of an
+all-peers step adds. Reductions keep the fastest of a few repetitions. The ranks then average their
+numbers with the ring all-reduce, so every rank holds the same bits and picks the same algorithms.
+It costs ~250 ms here with 4 ranks on 2 cores (~600 ms with 8), once, inside the collective that
+triggered it, in
+the group's call order, so it is itself a well-ordered collective.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -23,40 +24,53 @@ from dtjob.trainer.collectives.reduce_ops import Reduction
 from dtjob.trainer.collectives.selection import DEFAULT_COSTS, CostModel
 from dtjob.trainer.collectives.work import GroupRunner
 
-# (bytes, repetitions) of the two exchanges beta is fitted through: enough repetitions that the
-# fastest is a clean one.
-_PROBES = ((64 << 10, 6), (1 << 20, 4))
-_WARMUP = 2
-# alpha and the overhead are timed over chains of 6 dependent 8-byte steps, best of 5.
+# Probes, as (bytes, with every other rank at once): alpha from 8-byte exchanges, beta through the
+# 64 KiB and 1 MiB ones, the overhead from 8 bytes with everybody. Each is timed over chains of 6
+# dependent steps, median of 7 samples: 4 x 8 x 6 steps with the warm-up, ~200-300 ms on 4 ranks here.
+_MID, _BIG = 64 << 10, 1 << 20
+_STEPS = ((8, False), (8, True), (_MID, False), (_BIG, False))
 _CHAIN = 6
-_CHAINED_REPS = 5
+_CHAINED_REPS = 7
 _REDUCE_BYTES = 1 << 20
 _REDUCE_REPS = 4
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64)
 
 
-def _exchange_seconds(comm: Comm, nbytes: int, reps: int, all_peers: bool = False, chain: int = 1) -> float:
-    """Fastest time of a send to rank+1 and a receive from rank-1 - or, with `all_peers`, of a send
-    to and a receive from every other rank, all posted at once (one step of the direct algorithm).
-
-    With `chain` > 1 each repetition runs that many steps back to back and reports the mean: a step
-    that must wait for the previous one also waits for descheduled peers, which is what dependent
-    steps cost when ranks outnumber cores (several times a lone exchange here).
-    """
-    send = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
+def _post_and_wait(comm: Comm, send: torch.Tensor, recvs_into: list[tuple[torch.Tensor, int]]) -> None:
+    """Receive from each rank r-i given, send `send` to its mirror r+i, and wait for all of it."""
     n, r = comm.size, comm.rank
-    offsets = range(1, n) if all_peers else range(1, 2)
-    recvs_into = [(torch.empty_like(send), (r - i) % n) for i in offsets]
-    best = float("inf")
-    for i in range(reps + _WARMUP):
-        start = time.perf_counter()
-        for _ in range(chain):
-            sends, recvs = comm.post(sends=[(send, (r + i) % n) for i in offsets], recvs=recvs_into)
-            wait_all(recvs)
-            wait_all(sends)
-        if i >= _WARMUP:
-            best = min(best, (time.perf_counter() - start) / chain)
-    return best
+    sends, recvs = comm.post(sends=[(send, (2 * r - peer) % n) for _, peer in recvs_into], recvs=recvs_into)
+    wait_all(recvs)
+    wait_all(sends)
+
+
+def _step_seconds(comm: Comm) -> dict[tuple[int, bool], float]:
+    """Seconds per dependent step for each probe in _STEPS: (bytes, with every other rank at once).
+
+    Each sample times a chain of steps back to back: a step that must wait for the previous one
+    also waits for descheduled peers, which is what dependent steps cost when ranks outnumber cores
+    (several times a lone exchange here). The probes alternate and the medians are kept, so a burst
+    of load shifts all of them alike: the choices depend on their ratios, which the minima of
+    separate runs scattered by a factor of 5.
+    """
+    n, r = comm.size, comm.rank
+    probes = {}
+    for nbytes, every_peer in _STEPS:
+        send = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
+        offsets = range(1, n) if every_peer else range(1, 2)
+        recvs = [(torch.empty_like(send), (r - i) % n) for i in offsets]
+        probes[nbytes, every_peer] = ([(send, (r + i) % n) for i in offsets], recvs)
+    samples: dict[tuple[int, bool], list[float]] = {key: [] for key in probes}
+    for round_ in range(_CHAINED_REPS + 1):  # round 0 warms up
+        for key, (sends, recvs) in probes.items():
+            start = time.perf_counter()
+            for _ in range(_CHAIN):
+                send_works, recv_works = comm.post(sends=sends, recvs=recvs)
+                wait_all(recv_works)
+                wait_all(send_works)
+            if round_ > 0:
+                samples[key].append((time.perf_counter() - start) / _CHAIN)
+    return {key: statistics.median(values) for key, values in samples.items()}
 
 
 def _reduce_seconds_per_byte(dtype: torch.dtype) -> float:
@@ -75,15 +89,11 @@ def measure(comm: Comm) -> CostModel:
     """Run the calibration collectively on `comm`'s group; identical result on every rank."""
     if comm.size == 1:
         return DEFAULT_COSTS
-    (mid, _), (big, _) = _PROBES
-    mid_seconds, big_seconds = (_exchange_seconds(comm, nbytes, reps) for nbytes, reps in _PROBES)
-    beta = max((big_seconds - mid_seconds) / (big - mid), 1e-12)
-    alpha = _exchange_seconds(comm, 8, _CHAINED_REPS, chain=_CHAIN)
+    steps = _step_seconds(comm)
+    alpha = steps[8, False]
+    beta = max((steps[_BIG, False] - steps[_MID, False]) / (_BIG - _MID), 1e-12)
     # What each of the n-2 further message pairs of a direct step adds to a plain exchange.
-    overhead = 0.0
-    if comm.size > 2:
-        step = _exchange_seconds(comm, 8, _CHAINED_REPS, all_peers=True, chain=_CHAIN)
-        overhead = max((step - alpha) / (comm.size - 2), 0.0)
+    overhead = max((steps[8, True] - alpha) / (n - 2), 0.0) if (n := comm.size) > 2 else 0.0
     gammas = [_reduce_seconds_per_byte(d) for d in _DTYPES]
     local = torch.tensor([alpha, beta, overhead, *gammas], dtype=torch.float64)
     ring.all_reduce(comm, local, Reduction(torch.distributed.ReduceOp.AVG, torch.float64))
