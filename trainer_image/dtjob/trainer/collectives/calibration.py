@@ -7,8 +7,7 @@ beta the slope through the two larger ones, the overhead what each of the n-2 fu
 all-peers step adds. Reductions keep the fastest of a few repetitions. The ranks then average their
 numbers with the ring all-reduce, so every rank holds the same bits and picks the same algorithms.
 It costs ~250 ms here with 4 ranks on 2 cores (~600 ms with 8), once, inside the collective that
-triggered it, in
-the group's call order, so it is itself a well-ordered collective.
+triggered it, in the group's call order, so it is itself a well-ordered collective.
 """
 
 from __future__ import annotations
