@@ -2,6 +2,7 @@
 
     python bench/collectives.py                     # world sizes 2, 4, 8; 1 KiB .. 64 MiB
     python bench/collectives.py --quick             # world size 4 only, fewer repetitions
+    python bench/collectives.py --impls native direct --ops allreduce   # just these
 
 Prints an nccl-tests style table per op and world size (bytes, count, dtype, time, algbw, busbw),
 writes bench/results/collectives.json and bench/results/collectives.png (busbw against size).
