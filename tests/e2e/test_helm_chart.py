@@ -153,7 +153,15 @@ def operator_logs() -> str:
 
 def wait_for_log(pattern: str) -> None:
     """The operator's log shows `pattern` (polled: the nodelet serves logs a moment late)."""
-    wait_for(f"the operator's log to show {pattern!r}", lambda: bool(re.search(pattern, operator_logs())), 90)
+    deadline = time.monotonic() + 90
+    log = ""
+    while time.monotonic() < deadline:
+        log = operator_logs()
+        if re.search(pattern, log):
+            return
+        time.sleep(0.5)
+    tail = "\n".join(log.splitlines()[-40:])
+    pytest.fail(f"timed out after 90s waiting for the operator's log to show {pattern!r}; its end:\n{tail}")
 
 
 def http_ok(url: str) -> bool:
@@ -336,8 +344,12 @@ RULES: dict[str, tuple[Callable[[str], bool], str]] = {
     ),
     "events": (lambda n: not job_events(JOBS_NS, n), r"could not post event \w+ on [^\n]*Forbidden"),
     "nodes": (lambda n: phase(JOBS_NS, n) is None and not worker_pods(JOBS_NS, n), _denied("nodes")),
-    # kopf pauses every handler until it has checked in with its peers, so nothing happens.
-    "kopfpeerings": (lambda n: untouched(JOBS_NS, n), _denied("kopfpeerings")),
+    # kopf pauses every handler until it has checked in with its peers, so nothing happens; kopf
+    # does not always log why, so the operator checks at startup (peering.py) and says it.
+    "kopfpeerings": (
+        lambda n: untouched(JOBS_NS, n),
+        _denied("kopfpeerings") + r".* the operator's role needs get, list, watch and patch on kopfpeerings",
+    ),
 }
 # kopf lists and watches the peering object once, at start: that rule shows on a new process.
 NEEDS_RESTART = {"kopfpeerings"}

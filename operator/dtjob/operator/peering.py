@@ -7,8 +7,11 @@ kopf expects `kopf.dev/v1` ClusterKopfPeering (cluster-wide operators) or KopfPe
 
 from __future__ import annotations
 
+import functools
+import json
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from kubernetes import client
@@ -80,6 +83,10 @@ def ensure_peering(name: str, clusterwide: bool, namespaces: list[str]) -> None:
             custom.create_cluster_custom_object(PEERING_GROUP, PEERING_VERSION, plural, body)
         except ApiException as e:
             _tolerate_existing_or_forbidden(e, body)
+        read = functools.partial(
+            custom.get_cluster_custom_object, PEERING_GROUP, PEERING_VERSION, plural, name
+        )
+        _check_readable(read, body)
         return
     plural = _ensure_crd("Namespaced")
     for namespace in namespaces:
@@ -89,6 +96,10 @@ def ensure_peering(name: str, clusterwide: bool, namespaces: list[str]) -> None:
             custom.create_namespaced_custom_object(PEERING_GROUP, PEERING_VERSION, namespace, plural, body)
         except ApiException as e:
             _tolerate_existing_or_forbidden(e, body)
+        read = functools.partial(
+            custom.get_namespaced_custom_object, PEERING_GROUP, PEERING_VERSION, namespace, plural, name
+        )
+        _check_readable(read, body)
 
 
 def _tolerate_existing_or_forbidden(error: ApiException, body: dict[str, Any]) -> None:
@@ -99,3 +110,38 @@ def _tolerate_existing_or_forbidden(error: ApiException, body: dict[str, Any]) -
         log.info("not allowed to create %s %s; expecting the installer's", kind, name)
     elif error.status != 409:
         raise error
+
+
+def _check_readable(read: Callable[[], object], body: dict[str, Any]) -> None:
+    """Say at startup, in the log, when the peering object cannot be read or does not exist.
+
+    kopf pauses every handler until it has checked in with its peers. Without the RBAC rule on the
+    peering resource it usually logs the refused request, but not always: twice here (kopf 1.45) it
+    logged nothing for over 100 s after its startup, and the operator looked idle for no reason.
+    """
+    kind, name = body["kind"], body["metadata"]["name"]
+    try:
+        read()
+    except ApiException as e:
+        if e.status == 403:
+            log.error(
+                "%s - the operator's role needs get, list, watch and patch on %ss.%s; until then kopf "
+                "pauses every handler (fix: install with the chart's RBAC, or add that rule)",
+                _api_message(e), kind.lower(), PEERING_GROUP,
+            )  # fmt: skip
+        elif e.status == 404:
+            log.error(
+                "%s %s does not exist; kopf pauses every handler until it does (fix: create it, or "
+                "run with --standalone)", kind, name,
+            )  # fmt: skip
+        else:
+            raise
+
+
+def _api_message(error: ApiException) -> str:
+    """The API server's own sentence from an error, e.g. 'x is forbidden: User ... cannot get ...'."""
+    try:
+        message = json.loads(error.body or "{}").get("message")
+    except ValueError:
+        message = None
+    return str(message or error.reason)
