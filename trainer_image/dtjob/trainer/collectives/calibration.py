@@ -35,14 +35,6 @@ _REDUCE_REPS = 4
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64)
 
 
-def _post_and_wait(comm: Comm, send: torch.Tensor, recvs_into: list[tuple[torch.Tensor, int]]) -> None:
-    """Receive from each rank r-i given, send `send` to its mirror r+i, and wait for all of it."""
-    n, r = comm.size, comm.rank
-    sends, recvs = comm.post(sends=[(send, (2 * r - peer) % n) for _, peer in recvs_into], recvs=recvs_into)
-    wait_all(recvs)
-    wait_all(sends)
-
-
 def _step_seconds(comm: Comm) -> dict[tuple[int, bool], float]:
     """Seconds per dependent step for each probe in _STEPS: (bytes, with every other rank at once).
 
