@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from dtjob.trainer.collectives import api
 from dtjob.trainer.collectives.comm import balanced_bounds
 from dtjob.trainer.collectives.halving_doubling import Fold
 from dtjob.trainer.collectives.reduce_ops import Reduction
@@ -60,6 +61,15 @@ def test_bandwidth_heavy_model_moves_the_crossover_up() -> None:
 def test_broadcast_uses_the_tree_for_small_and_scatter_allgather_for_large() -> None:
     assert choose("broadcast", 1 * KiB, 8, "float32", MODEL) == "tree"
     assert choose("broadcast", 64 * MiB, 8, "float32", MODEL) in ("ring", "hd")
+
+
+def test_every_offered_algorithm_has_an_implementation_and_a_cost() -> None:
+    tables = {"allreduce": api._ALL_REDUCE, "reduce_scatter": api._REDUCE_SCATTER,
+              "allgather": api._ALL_GATHER, "broadcast": api._BROADCAST}  # fmt: skip
+    assert {op: set(t) for op, t in tables.items()} == {op: set(a) for op, a in ALGORITHMS.items()}
+    for op, algos in ALGORITHMS.items():
+        for algo in algos:
+            assert predict(op, algo, 1 * MiB, 4, "float32", MODEL) > 0
 
 
 def test_predictions_are_zero_for_one_rank_or_no_bytes_and_grow_with_size() -> None:

@@ -21,6 +21,25 @@ from dtjob.trainer.collectives.work import CollectiveWork, GroupRunner, complete
 
 ProcessGroup = dist.ProcessGroup
 
+# Each op's algorithms by name (the names selection.ALGORITHMS offers).
+_ALL_REDUCE = {
+    "ring": ring.all_reduce,
+    "hd": halving_doubling.all_reduce,
+    "rd": halving_doubling.recursive_doubling_all_reduce,
+    "direct": direct.all_reduce,
+}
+_REDUCE_SCATTER = {
+    "ring": ring.reduce_scatter,
+    "hd": halving_doubling.reduce_scatter,
+    "direct": direct.reduce_scatter,
+}
+_ALL_GATHER = {"ring": ring.all_gather, "hd": halving_doubling.all_gather, "direct": direct.all_gather}
+_BROADCAST = {
+    "tree": broadcast_algos.tree,
+    "ring": broadcast_algos.scatter_ring,
+    "hd": broadcast_algos.scatter_doubling,
+}
+
 
 def _group(group: ProcessGroup | None, name: str) -> ProcessGroup | None:
     """The process group to use, or None when this rank is not a member (torch returns None then)."""
@@ -109,14 +128,7 @@ def all_reduce(
     def job(comm: Comm) -> None:
         flat, copied = _flat(tensor)
         algo = _resolve("allreduce", choice, runner, comm, flat.numel() * flat.element_size(), flat.dtype)
-        if algo == "ring":
-            ring.all_reduce(comm, flat, reduction)
-        elif algo == "direct":
-            direct.all_reduce(comm, flat, reduction)
-        elif algo == "hd":
-            halving_doubling.all_reduce(comm, flat, reduction)
-        else:
-            halving_doubling.recursive_doubling_all_reduce(comm, flat, reduction)
+        _ALL_REDUCE[algo](comm, flat, reduction)
         if copied:
             tensor.copy_(flat.view_as(tensor))
 
@@ -160,12 +172,7 @@ def reduce_scatter_tensor(
         algo = _resolve(
             "reduce_scatter", choice, runner, comm, work.numel() * work.element_size(), work.dtype
         )
-        if algo == "ring":
-            ring.reduce_scatter(comm, work, bounds, reduction)
-        elif algo == "direct":
-            direct.reduce_scatter(comm, work, bounds, reduction)
-        else:
-            halving_doubling.reduce_scatter(comm, work, bounds, reduction)
+        _REDUCE_SCATTER[algo](comm, work, bounds, reduction)
         output.copy_(work[bounds[comm.rank] : bounds[comm.rank + 1]].view(output.shape))
 
     return _submit(runner, job, async_op, [output])
@@ -204,12 +211,7 @@ def all_gather_into_tensor(
         bounds = [i * count for i in range(n + 1)]
         flat[bounds[comm.rank] : bounds[comm.rank + 1]].copy_(input_tensor.reshape(-1))
         algo = _resolve("allgather", choice, runner, comm, flat.numel() * flat.element_size(), flat.dtype)
-        if algo == "ring":
-            ring.all_gather(comm, flat, bounds)
-        elif algo == "direct":
-            direct.all_gather(comm, flat, bounds)
-        else:
-            halving_doubling.all_gather(comm, flat, bounds)
+        _ALL_GATHER[algo](comm, flat, bounds)
         if copied:
             output_tensor.copy_(flat.view_as(output_tensor))
 
@@ -250,12 +252,7 @@ def broadcast(
     def job(comm: Comm) -> None:
         flat, copied = _flat(tensor)
         algo = _resolve("broadcast", choice, runner, comm, flat.numel() * flat.element_size(), flat.dtype)
-        if algo == "tree":
-            broadcast_algos.tree(comm, flat, root)
-        elif algo == "ring":
-            broadcast_algos.scatter_ring(comm, flat, root)
-        else:
-            broadcast_algos.scatter_doubling(comm, flat, root)
+        _BROADCAST[algo](comm, flat, root)
         if copied:
             tensor.copy_(flat.view_as(tensor))
 
