@@ -392,3 +392,38 @@ def errors_and_layouts(rank: int, n: int, arg: Any) -> dict[str, Any]:
     C.reduce_scatter_tensor(out2, torch.ones(2 * n, 3), algorithm="hd")
     check.same("2d", out2, torch.full((2, 3), float(n)))
     return check.result()
+
+
+def trainer_comm_metrics(rank: int, n: int, arg: Any) -> dict[str, Any]:
+    """The trainer's Comm with every algorithm choice, as the strategies call it, and the metric
+    labels it reports: the algorithm that ran (auto resolved), sync and async alike."""
+    from dtjob.trainer.comm_metrics import instrument_comm
+    from dtjob.trainer.metrics import TrainerMetrics
+    from dtjob.trainer.parallel.comm import Comm
+
+    metrics = TrainerMetrics()
+    instrument_comm(metrics)
+    labels: dict[str, list[str]] = {}
+    for algorithm in ("auto", "direct", "native"):
+        comm = Comm(algorithm)
+        small, large = torch.full((8,), float(rank)), torch.full((1 << 20,), float(rank))
+        comm.all_reduce_sum(small)
+        comm.all_reduce_sum(large, async_op=True).wait()
+        gathered = torch.empty(2 * n)
+        comm.all_gather(gathered, torch.full((2,), float(rank)))
+        scattered = torch.empty(2)
+        comm.reduce_scatter_sum(scattered, torch.ones(2 * n))
+        shared = torch.full((5,), float(rank))
+        comm.broadcast(shared, src_group_rank=n - 1)
+        total = float(sum(range(n)))
+        if not (bool((small == total).all()) and bool((large == total).all())):
+            raise AssertionError(f"{algorithm}: all_reduce_sum gave {small[0]}/{large[0]}, not {total}")
+        if gathered.tolist() != [float(r) for r in range(n) for _ in range(2)]:
+            raise AssertionError(f"{algorithm}: all_gather gave {gathered.tolist()}")
+        if scattered.tolist() != [float(n)] * 2 or shared.tolist() != [float(n - 1)] * 5:
+            raise AssertionError(f"{algorithm}: reduce_scatter {scattered.tolist()}, bcast {shared.tolist()}")
+    for family in metrics.collective_calls.collect():
+        for sample in family.samples:
+            if sample.name.endswith("_total"):
+                labels.setdefault(sample.labels["algorithm"], []).append(sample.labels["op"])
+    return {"labels": {k: sorted(v) for k, v in labels.items()}, "last": C.last_algorithm("allreduce")}

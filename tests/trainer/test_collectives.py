@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from dtjob.trainer import collectives as C
 from tests.trainer.collectives_harness import run_world
 
 
@@ -70,3 +71,19 @@ def test_a_dead_peer_makes_the_call_raise_instead_of_hanging() -> None:
     for rank in (0, 1):
         for call in ("ring", "hd-async"):
             assert results[rank][call].startswith("raised"), f"rank {rank} {call}: {results[rank]}"
+
+
+def test_trainer_comm_runs_every_choice_and_labels_metrics_with_the_algorithm_that_ran() -> None:
+    results = run_world(2, "trainer_comm_metrics")
+    for result in results:
+        labels = result["labels"]
+        assert "auto" not in labels, f"'auto' must be resolved in the metric labels: {labels}"
+        assert labels["native"] == ["all_gather", "all_reduce", "broadcast", "reduce_scatter"]
+        # "direct" was asked for all four; its broadcast fell back to auto, which chose a tree or
+        # scatter algorithm, and the labels say so.
+        assert {"all_gather", "reduce_scatter"} <= set(labels["direct"]), labels
+        ran = set(labels) - {"native"}
+        assert ran <= set(C.ALGORITHMS["allreduce"]) | set(C.ALGORITHMS["broadcast"]), labels
+        ops = {op for name, names in labels.items() if name != "native" for op in names}
+        assert ops == {"all_gather", "all_reduce", "broadcast", "reduce_scatter"}, labels
+    assert results[0] == results[1]

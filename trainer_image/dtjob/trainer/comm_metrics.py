@@ -1,5 +1,9 @@
 """Count the bytes and seconds of every collective the strategies issue, by op and algorithm.
 
+The algorithm label is what ran, not what was asked for: with "auto" it is the algorithm the cost
+model chose for that call (ring, hd, rd, direct, tree, ...), read from the call's handle or, for a
+synchronous call, from `collectives.last_algorithm` right after it returned.
+
 All strategies move their data through `dtjob.trainer.parallel.comm.Comm`, so that class is
 wrapped once per process: each call adds the bytes of its tensor(s) and, when its handle's
 `wait()` returns (at once for a synchronous call), the seconds from issue to completion. Seconds
@@ -20,12 +24,13 @@ import torch
 from dtjob.trainer.metrics import TrainerMetrics
 from dtjob.trainer.parallel.comm import Comm
 
-# Comm method -> (op label, index of the argument whose bytes are the payload)
-_METHODS: dict[str, tuple[str, int]] = {
-    "all_reduce_sum": ("all_reduce", 0),
-    "reduce_scatter_sum": ("reduce_scatter", 1),
-    "all_gather": ("all_gather", 0),
-    "broadcast": ("broadcast", 0),
+# Comm method -> (op label, index of the argument whose bytes are the payload, op name in
+# dtjob.trainer.collectives.last_algorithm)
+_METHODS: dict[str, tuple[str, int, str]] = {
+    "all_reduce_sum": ("all_reduce", 0, "allreduce"),
+    "reduce_scatter_sum": ("reduce_scatter", 1, "reduce_scatter"),
+    "all_gather": ("all_gather", 0, "allgather"),
+    "broadcast": ("broadcast", 0, "broadcast"),
 }
 _installed: list[TrainerMetrics] = []
 
@@ -43,7 +48,23 @@ class _TimedHandle:
         return result
 
 
-def _wrap(method: Callable[..., Any], op: str, payload_arg: int) -> Callable[..., Any]:
+def _ran(comm: Comm, handle: Any, last_algorithm_op: str) -> str:
+    """The algorithm a finished call ran: native, the handle's own record, or the group's latest."""
+    if comm.algorithm == "native":
+        return "native"
+    recorded = getattr(handle, "algorithm", None)
+    if isinstance(recorded, str):
+        return recorded
+    if comm.size == 1:
+        return comm.algorithm  # nothing was sent, so nothing was chosen
+    from dtjob.trainer import collectives
+
+    return collectives.last_algorithm(last_algorithm_op, comm.group) or comm.algorithm
+
+
+def _wrap(
+    method: Callable[..., Any], op: str, payload_arg: int, last_algorithm_op: str
+) -> Callable[..., Any]:
     signature = inspect.signature(method)
 
     @functools.wraps(method)
@@ -52,9 +73,9 @@ def _wrap(method: Callable[..., Any], op: str, payload_arg: int) -> Callable[...
         nbytes = payload.numel() * payload.element_size()
         started = time.perf_counter()
         handle = method(self, *args, **kwargs)
-        algorithm = self.algorithm
 
         def done() -> None:
+            algorithm = _ran(self, handle, last_algorithm_op)
             for metrics in _installed:
                 metrics.observe_collective(op, algorithm, nbytes, time.perf_counter() - started)
 
@@ -69,7 +90,7 @@ def _wrap(method: Callable[..., Any], op: str, payload_arg: int) -> Callable[...
 def instrument_comm(metrics: TrainerMetrics) -> None:
     """Report every `Comm` collective of this process to `metrics` (idempotent per metrics)."""
     if not _installed:
-        for name, (op, payload_arg) in _METHODS.items():
-            setattr(Comm, name, _wrap(getattr(Comm, name), op, payload_arg))
+        for name, (op, payload_arg, last_algorithm_op) in _METHODS.items():
+            setattr(Comm, name, _wrap(getattr(Comm, name), op, payload_arg, last_algorithm_op))
     if metrics not in _installed:
         _installed.append(metrics)

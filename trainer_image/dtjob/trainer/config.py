@@ -50,7 +50,9 @@ class TrainerConfig:
     microbatches: int = _opt(4, "micro-batches per step for --strategy pipeline")
     schedule: str = _opt("1f1b", "pipeline schedule", choices=("gpipe", "1f1b"))
     collective: str = _opt(
-        "auto", "collective algorithm (native = torch's gloo)", choices=("auto", "ring", "hd", "native")
+        "auto",
+        "collective algorithm (native = torch's gloo)",
+        choices=("auto", "ring", "hd", "direct", "native"),
     )
     precision: str = _opt(
         "fp32", "compute precision (bf16 keeps fp32 master weights)", choices=("fp32", "bf16")

@@ -99,7 +99,7 @@ def _flat(tensor: torch.Tensor) -> tuple[torch.Tensor, bool]:
 
 
 def _submit(
-    runner: GroupRunner, job: Callable[[Comm], None], async_op: bool, tensors: list[torch.Tensor]
+    runner: GroupRunner, job: Callable[[Comm], str], async_op: bool, tensors: list[torch.Tensor]
 ) -> CollectiveWork | None:
     group = runner.group
     pool = runner.scratch_pool
@@ -125,12 +125,13 @@ def all_reduce(
     if runner.size == 1 or tensor.numel() == 0:
         return completed_work([tensor]) if async_op else None
 
-    def job(comm: Comm) -> None:
+    def job(comm: Comm) -> str:
         flat, copied = _flat(tensor)
         algo = _resolve("allreduce", choice, runner, comm, flat.numel() * flat.element_size(), flat.dtype)
         _ALL_REDUCE[algo](comm, flat, reduction)
         if copied:
             tensor.copy_(flat.view_as(tensor))
+        return algo
 
     return _submit(runner, job, async_op, [tensor])
 
@@ -165,7 +166,7 @@ def reduce_scatter_tensor(
         output.copy_(input.view_as(output) if input.is_contiguous() else input.reshape(output.shape))
         return completed_work([output]) if async_op else None
 
-    def job(comm: Comm) -> None:
+    def job(comm: Comm) -> str:
         work = comm.scratch(2, input.numel(), input)
         work.copy_(input.reshape(-1))
         bounds = [i * count for i in range(n + 1)]
@@ -174,6 +175,7 @@ def reduce_scatter_tensor(
         )
         _REDUCE_SCATTER[algo](comm, work, bounds, reduction)
         output.copy_(work[bounds[comm.rank] : bounds[comm.rank + 1]].view(output.shape))
+        return algo
 
     return _submit(runner, job, async_op, [output])
 
@@ -206,7 +208,7 @@ def all_gather_into_tensor(
         output_tensor.copy_(input_tensor.reshape(output_tensor.shape))
         return completed_work([output_tensor]) if async_op else None
 
-    def job(comm: Comm) -> None:
+    def job(comm: Comm) -> str:
         flat, copied = _flat(output_tensor)
         bounds = [i * count for i in range(n + 1)]
         flat[bounds[comm.rank] : bounds[comm.rank + 1]].copy_(input_tensor.reshape(-1))
@@ -214,6 +216,7 @@ def all_gather_into_tensor(
         _ALL_GATHER[algo](comm, flat, bounds)
         if copied:
             output_tensor.copy_(flat.view_as(output_tensor))
+        return algo
 
     return _submit(runner, job, async_op, [output_tensor])
 
@@ -249,12 +252,13 @@ def broadcast(
     if runner.size == 1 or tensor.numel() == 0:
         return completed_work([tensor]) if async_op else None
 
-    def job(comm: Comm) -> None:
+    def job(comm: Comm) -> str:
         flat, copied = _flat(tensor)
         algo = _resolve("broadcast", choice, runner, comm, flat.numel() * flat.element_size(), flat.dtype)
         _BROADCAST[algo](comm, flat, root)
         if copied:
             tensor.copy_(flat.view_as(tensor))
+        return algo
 
     return _submit(runner, job, async_op, [tensor])
 

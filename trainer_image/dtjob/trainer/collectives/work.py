@@ -24,15 +24,23 @@ import torch.distributed as dist
 _TAG_BASE = 1 << 30
 _TAG_SPAN = 1 << 30
 
-Job = Callable[[int], None]
+# A job runs one collective with the given tag and returns the name of the algorithm it ran.
+Job = Callable[[int], str]
 
 
 class CollectiveWork:
     """Handle of an async collective, like torch's `Work`: wait(), is_completed(), result()."""
 
-    def __init__(self, future: Future[None], tensors: list[torch.Tensor]) -> None:
+    def __init__(self, future: Future[str | None], tensors: list[torch.Tensor]) -> None:
         self._future = future
         self._tensors = tensors
+
+    @property
+    def algorithm(self) -> str | None:
+        """The algorithm this call ran ("auto" resolved), once it completed; None before, or if none ran."""
+        if not self._future.done() or self._future.exception() is not None:
+            return None
+        return self._future.result()
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         """Block until done; re-raises the collective's error (a dead peer, a timeout)."""
@@ -71,7 +79,7 @@ class GroupRunner:
         self._pending = 0
         self._mutex = threading.Lock()
         self._run_lock = threading.Lock()
-        self._queue: queue.SimpleQueue[tuple[Job, int, Future[None]]] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[Job, int, Future[str | None]]] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 
     def submit(self, job: Job, async_op: bool, tensors: list[torch.Tensor]) -> CollectiveWork | None:
@@ -81,7 +89,7 @@ class GroupRunner:
             inline = not async_op and self._pending == 0
             if not inline:
                 self._pending += 1
-                future: Future[None] = Future()
+                future: Future[str | None] = Future()
                 self._queue.put((job, tag, future))
                 if self._thread is None:
                     self._thread = threading.Thread(
@@ -103,18 +111,19 @@ class GroupRunner:
             job, tag, future = self._queue.get()
             try:
                 with self._run_lock:
-                    job(tag)
+                    algorithm = job(tag)
             except BaseException as error:
                 future.set_exception(error)
             else:
-                future.set_result(None)
+                future.set_result(algorithm)
             finally:
                 with self._mutex:
                     self._pending -= 1
 
 
 def completed_work(tensors: list[torch.Tensor]) -> CollectiveWork:
-    future: Future[None] = Future()
+    """The handle of a call that needed no communication (one rank, or an empty tensor)."""
+    future: Future[str | None] = Future()
     future.set_result(None)
     return CollectiveWork(future, tensors)
 

@@ -1,11 +1,12 @@
-"""How the strategies move data: dtjob's collectives (ring / hd / auto) or torch's native ones.
+"""How the strategies move data: dtjob's collectives (auto / ring / hd / direct) or torch's native ones.
 
 `Comm` binds a process group and an algorithm. Every strategy talks only to a `Comm`, so one
 config field (`ParallelConfig.collective`) swaps the whole data path:
 
 - "native": `torch.distributed` collectives on the group (gloo here), asynchronous via async_op.
-- "ring" / "hd" / "auto": `dtjob.trainer.collectives` with `algorithm=` that value, also
-  asynchronous via async_op (they run a group's collectives in call order on one worker thread).
+- "auto" / "ring" / "hd" / "direct": `dtjob.trainer.collectives` with `algorithm=` that value,
+  also asynchronous via async_op (they run a group's collectives in call order on one worker
+  thread). Direct has no broadcast, so with "direct" broadcasts use "auto".
 
 All sums are averaged by the strategies themselves (divide after SUM), so the result does not
 depend on which ops an algorithm supports.
@@ -18,7 +19,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-ALGORITHMS = ("native", "auto", "ring", "hd")
+ALGORITHMS = ("native", "auto", "ring", "hd", "direct")
 
 
 class Handle(Protocol):
@@ -44,11 +45,13 @@ class Comm:
         self.size = dist.get_world_size(group)
         self._ops: Any = dist
         self._extra: dict[str, str] = {}
+        self._broadcast_extra: dict[str, str] = {}
         if algorithm != "native":
-            from dtjob.trainer import collectives  # imported lazily: only needed for ring/hd/auto
+            from dtjob.trainer import collectives  # imported lazily: only needed for dtjob's own
 
             self._ops = collectives
             self._extra = {"algorithm": algorithm}
+            self._broadcast_extra = {"algorithm": "auto" if algorithm == "direct" else algorithm}
 
     def global_rank(self, group_rank: int) -> int:
         """The default-group rank of this group's member `group_rank`."""
@@ -96,7 +99,7 @@ class Comm:
             return _Done()
         src = self.global_rank(src_group_rank)
         return self._handle(
-            self._ops.broadcast(tensor, src=src, group=self.group, async_op=async_op, **self._extra)
+            self._ops.broadcast(tensor, src=src, group=self.group, async_op=async_op, **self._broadcast_extra)
         )
 
     def all_reduce_mean_scalar(self, value: float) -> float:
