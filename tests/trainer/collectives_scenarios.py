@@ -422,8 +422,21 @@ def trainer_comm_metrics(rank: int, n: int, arg: Any) -> dict[str, Any]:
             raise AssertionError(f"{algorithm}: all_gather gave {gathered.tolist()}")
         if scattered.tolist() != [float(n)] * 2 or shared.tolist() != [float(n - 1)] * 5:
             raise AssertionError(f"{algorithm}: reduce_scatter {scattered.tolist()}, bcast {shared.tolist()}")
+    # The pipeline's point-to-point messages: an async send one way, a blocking one back.
+    comm, peer = Comm("auto"), (rank + 1) % n
+    outgoing, incoming = torch.full((3,), float(rank)), torch.empty(3)
+    if rank % 2 == 0:
+        comm.send(outgoing, peer, tag=7, async_op=True).wait()
+        comm.recv(incoming, (rank - 1) % n, tag=7)
+    else:
+        comm.recv(incoming, (rank - 1) % n, tag=7)
+        comm.send(outgoing, peer, tag=7)
+    if incoming.tolist() != [float((rank - 1) % n)] * 3:
+        raise AssertionError(f"recv gave {incoming.tolist()}")
     for family in metrics.collective_calls.collect():
         for sample in family.samples:
             if sample.name.endswith("_total"):
                 labels.setdefault(sample.labels["algorithm"], []).append(sample.labels["op"])
-    return {"labels": {k: sorted(v) for k, v in labels.items()}, "last": C.last_algorithm("allreduce")}
+    p2p_send = {"op": "send", "algorithm": "p2p"}
+    sent = metrics.registry.get_sample_value("dtjob_trainer_collective_bytes_total", p2p_send)
+    return {"labels": {k: sorted(v) for k, v in labels.items()}, "p2p_bytes_sent": sent}

@@ -8,7 +8,8 @@ All strategies move their data through `dtjob.trainer.parallel.comm.Comm`, so th
 wrapped once per process: each call adds the bytes of its tensor(s) and, when its handle's
 `wait()` returns (at once for a synchronous call), the seconds from issue to completion. Seconds
 of overlapping asynchronous calls therefore overlap too: they measure how long each collective
-was in flight, not wall time spent blocked. Pipeline point-to-point transfers are not counted.
+was in flight, not wall time spent blocked. The pipeline's point-to-point messages count too, as
+ops "send" and "recv" with algorithm "p2p" (torch's own send/recv, whatever --collective says).
 """
 
 from __future__ import annotations
@@ -25,12 +26,14 @@ from dtjob.trainer.metrics import TrainerMetrics
 from dtjob.trainer.parallel.comm import Comm
 
 # Comm method -> (op label, index of the argument whose bytes are the payload, op name in
-# dtjob.trainer.collectives.last_algorithm)
-_METHODS: dict[str, tuple[str, int, str]] = {
+# dtjob.trainer.collectives.last_algorithm, or None for point-to-point)
+_METHODS: dict[str, tuple[str, int, str | None]] = {
     "all_reduce_sum": ("all_reduce", 0, "allreduce"),
     "reduce_scatter_sum": ("reduce_scatter", 1, "reduce_scatter"),
     "all_gather": ("all_gather", 0, "allgather"),
     "broadcast": ("broadcast", 0, "broadcast"),
+    "send": ("send", 0, None),
+    "recv": ("recv", 0, None),
 }
 _installed: list[TrainerMetrics] = []
 
@@ -48,8 +51,10 @@ class _TimedHandle:
         return result
 
 
-def _ran(comm: Comm, handle: Any, last_algorithm_op: str) -> str:
-    """The algorithm a finished call ran: native, the handle's own record, or the group's latest."""
+def _ran(comm: Comm, handle: Any, selection_op: str | None) -> str:
+    """The algorithm a finished call ran: p2p, native, the handle's own record, or the group's latest."""
+    if selection_op is None:
+        return "p2p"
     if comm.algorithm == "native":
         return "native"
     recorded = getattr(handle, "algorithm", None)
@@ -59,11 +64,11 @@ def _ran(comm: Comm, handle: Any, last_algorithm_op: str) -> str:
         return comm.algorithm  # nothing was sent, so nothing was chosen
     from dtjob.trainer import collectives
 
-    return collectives.last_algorithm(last_algorithm_op, comm.group) or comm.algorithm
+    return collectives.last_algorithm(selection_op, comm.group) or comm.algorithm
 
 
 def _wrap(
-    method: Callable[..., Any], op: str, payload_arg: int, last_algorithm_op: str
+    method: Callable[..., Any], op: str, payload_arg: int, selection_op: str | None
 ) -> Callable[..., Any]:
     signature = inspect.signature(method)
 
@@ -75,7 +80,7 @@ def _wrap(
         handle = method(self, *args, **kwargs)
 
         def done() -> None:
-            algorithm = _ran(self, handle, last_algorithm_op)
+            algorithm = _ran(self, handle, selection_op)
             for metrics in _installed:
                 metrics.observe_collective(op, algorithm, nbytes, time.perf_counter() - started)
 
@@ -90,7 +95,7 @@ def _wrap(
 def instrument_comm(metrics: TrainerMetrics) -> None:
     """Report every `Comm` collective of this process to `metrics` (idempotent per metrics)."""
     if not _installed:
-        for name, (op, payload_arg, last_algorithm_op) in _METHODS.items():
-            setattr(Comm, name, _wrap(getattr(Comm, name), op, payload_arg, last_algorithm_op))
+        for name, (op, payload_arg, selection_op) in _METHODS.items():
+            setattr(Comm, name, _wrap(getattr(Comm, name), op, payload_arg, selection_op))
     if metrics not in _installed:
         _installed.append(metrics)

@@ -47,13 +47,22 @@ class TrainerMetrics:
         self.checkpoints_saved = Counter("dtjob_trainer_checkpoints_saved", "checkpoints written", registry=r)
         labels = ("op", "algorithm")
         self.collective_bytes = Counter(
-            "dtjob_trainer_collective_bytes", "bytes of tensors passed to collectives", labels, registry=r
+            "dtjob_trainer_collective_bytes",
+            "bytes of tensors passed to collectives and pipeline sends/receives",
+            labels,
+            registry=r,
         )
         self.collective_seconds = Counter(
-            "dtjob_trainer_collective_seconds", "seconds spent inside collectives", labels, registry=r
+            "dtjob_trainer_collective_seconds",
+            "seconds collectives and pipeline sends/receives were in flight",
+            labels,
+            registry=r,
         )
         self.collective_calls = Counter(
-            "dtjob_trainer_collective_calls", "collective calls", labels, registry=r
+            "dtjob_trainer_collective_calls",
+            "collective (and pipeline send/receive) calls",
+            labels,
+            registry=r,
         )
         self.port: int | None = None
 

@@ -102,6 +102,17 @@ class Comm:
             self._ops.broadcast(tensor, src=src, group=self.group, async_op=async_op, **self._broadcast_extra)
         )
 
+    def send(self, tensor: torch.Tensor, dst: int, tag: int, async_op: bool = False) -> Handle:
+        """Point-to-point send to default-group rank `dst` (torch's own p2p whatever the algorithm)."""
+        if async_op:
+            return self._handle(dist.isend(tensor, dst, tag=tag))
+        dist.send(tensor, dst, tag=tag)
+        return _Done()
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int) -> None:
+        """Blocking point-to-point receive from default-group rank `src` into `tensor`."""
+        dist.recv(tensor, src, tag=tag)
+
     def all_reduce_mean_scalar(self, value: float) -> float:
         """The mean of a Python float over the group (fp64 on the wire)."""
         t = torch.tensor([value], dtype=torch.float64)

@@ -1,7 +1,7 @@
 """Pipeline strategy: one stage of the model per rank, micro-batches flowing through p2p messages.
 
 Layout for world size W = D * P: rank = replica * P + stage. The P ranks of a replica form a
-pipeline (activations forward, their gradients backward, with isend/irecv on the default group);
+pipeline (activations forward, their gradients backward, as point-to-point messages on the default group);
 the D ranks holding the same stage form a data-parallel group that averages that stage's
 gradients with dtjob's collectives. All ranks of a replica read the same slice of the batch
 (data_parallel_rank = replica): stage 0 needs the inputs, the last stage the targets.
@@ -222,7 +222,8 @@ class PipelineStrategy:
                     if out_shape is None:
                         out_shape = (tuple(out.shape), out.dtype)
                         sends.append(self._send_header(out))
-                    sends.append(dist.isend(out.detach(), self.next_rank, tag=_TAG_ACTIVATION))
+                    send = self.world_comm.send
+                    sends.append(send(out.detach(), self.next_rank, _TAG_ACTIVATION, async_op=True))
                 stage_inputs[m], stage_outputs[m] = x, out
             else:
                 x, out = stage_inputs.pop(m), stage_outputs.pop(m)
@@ -236,7 +237,7 @@ class PipelineStrategy:
                 self.last_step_busy_s += time.perf_counter() - t0
                 del out
                 if self.prev_rank is not None and x.grad is not None:
-                    sends.append(dist.isend(x.grad, self.prev_rank, tag=_TAG_GRAD))
+                    sends.append(self.world_comm.send(x.grad, self.prev_rank, _TAG_GRAD, async_op=True))
         for work in sends:
             work.wait()
         return loss_sum, per_microbatch
@@ -248,18 +249,18 @@ class PipelineStrategy:
         header[0], header[1] = _DTYPES.index(t.dtype), t.dim()
         header[2 : 2 + t.dim()] = torch.tensor(t.shape)
         assert self.next_rank is not None
-        return dist.isend(header, self.next_rank, tag=_TAG_HEADER)
+        return self.world_comm.send(header, self.next_rank, _TAG_HEADER, async_op=True)
 
     def _recv_header(self) -> tuple[tuple[int, ...], torch.dtype]:
         header = torch.zeros(_HEADER_LEN, dtype=torch.int64)
-        dist.recv(header, self.prev_rank, tag=_TAG_HEADER)
+        assert self.prev_rank is not None
+        self.world_comm.recv(header, self.prev_rank, _TAG_HEADER)
         ndim = int(header[1])
         return tuple(int(d) for d in header[2 : 2 + ndim]), _DTYPES[int(header[0])]
 
-    @staticmethod
-    def _recv(spec: tuple[tuple[int, ...], torch.dtype], tag: int, src: int) -> torch.Tensor:
+    def _recv(self, spec: tuple[tuple[int, ...], torch.dtype], tag: int, src: int) -> torch.Tensor:
         t = torch.empty(spec[0], dtype=spec[1])
-        dist.recv(t, src, tag=tag)
+        self.world_comm.recv(t, src, tag)
         return t
 
     # -- CheckpointableStrategy ----------------------------------------------------------------
