@@ -3,6 +3,7 @@ checkpoint format's write / verify / reshard-read functions (no process group ne
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -10,12 +11,22 @@ import pytest
 import torch
 
 from dtjob.trainer import checkpoint as ckpt
-from dtjob.trainer.config import ConfigError, parse
+from dtjob.trainer.config import ConfigError, TrainerConfig, parse
 from dtjob.trainer.data import Corpus, GlobalBatches
+from dtjob.trainer.parallel import config as parallel_config
 from dtjob.trainer.parallel.state import FlatShard
 from dtjob.trainer.schedule import WarmupCosine
 
 # --- flags and environment -----------------------------------------------------------------------
+
+
+def test_flag_choices_are_what_the_strategies_accept() -> None:
+    """The trainer's flags are declared without importing torch; ParallelConfig validates them."""
+    choices = {f.name: f.metadata["choices"] for f in dataclasses.fields(TrainerConfig)}
+    assert set(choices["strategy"]) == set(parallel_config.STRATEGIES)
+    assert set(choices["schedule"]) == set(parallel_config.SCHEDULES)
+    assert set(choices["collective"]) == set(parallel_config.COLLECTIVES)
+    assert set(choices["precision"]) == set(parallel_config.PRECISIONS)
 
 
 def test_flag_beats_environment_beats_default() -> None:

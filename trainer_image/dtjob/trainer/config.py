@@ -52,7 +52,7 @@ class TrainerConfig:
     collective: str = _opt(
         "auto",
         "collective algorithm (native = torch's gloo)",
-        choices=("auto", "ring", "hd", "direct", "native"),
+        choices=("auto", "ring", "hd", "direct", "native"),  # = parallel.config.COLLECTIVES (a test checks)
     )
     precision: str = _opt(
         "fp32", "compute precision (bf16 keeps fp32 master weights)", choices=("fp32", "bf16")

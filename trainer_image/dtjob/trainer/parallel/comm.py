@@ -19,7 +19,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-ALGORITHMS = ("native", "auto", "ring", "hd", "direct")
+from dtjob.trainer.parallel.config import COLLECTIVES
 
 
 class Handle(Protocol):
@@ -37,8 +37,8 @@ class Comm:
     """Collectives over one process group with one algorithm."""
 
     def __init__(self, algorithm: str = "native", group: dist.ProcessGroup | None = None) -> None:
-        if algorithm not in ALGORITHMS:
-            raise ValueError(f"collective must be one of {ALGORITHMS}, got {algorithm!r}")
+        if algorithm not in COLLECTIVES:
+            raise ValueError(f"collective must be one of {COLLECTIVES}, got {algorithm!r}")
         self.algorithm = algorithm
         self.group = group
         self.rank = dist.get_rank(group)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 STRATEGIES = ("ddp", "fsdp", "pipeline")
 SCHEDULES = ("gpipe", "1f1b")
-COLLECTIVES = ("auto", "ring", "hd", "native")
+COLLECTIVES = ("auto", "ring", "hd", "direct", "native")
 PRECISIONS = ("fp32", "bf16")
 COMPRESSIONS = ("none", "bf16", "fp16")
 
@@ -26,8 +26,9 @@ class ParallelConfig:
         split into M equal parts. The idle share of a step (bubble) is (P-1)/(M+P-1).
     schedule: pipeline only. "gpipe" (all forwards, then all backwards: M micro-batches of
         activations alive) or "1f1b" (one forward one backward: at most P alive).
-    collective: "ring", "hd" (halving-doubling) or "auto" run dtjob.trainer.collectives with that
-        algorithm; "native" runs torch.distributed's own collectives (gloo/nccl).
+    collective: "ring", "hd" (halving-doubling), "direct" (pairwise exchange; its broadcasts use
+        "auto") or "auto" run dtjob.trainer.collectives with that algorithm; "native" runs
+        torch.distributed's own collectives (gloo/nccl).
     precision: "fp32", or "bf16" (compute in bfloat16 under autocast; weights, optimizer state,
         gradients and their reduction stay fp32).
     grad_clip: clip the global gradient norm (over all ranks and shards) to this value, or None.
