@@ -191,7 +191,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """auto/native busbw ratios and the ring/hd crossover for each op and world size."""
+    """auto/native busbw ratios (median over runs of the paired ratio) and the ring/hd crossover."""
     by = {(r["op"], r["world_size"], r["impl"], r["bytes"]): r for r in rows}
     summary: dict[str, Any] = {}
     for op, n in sorted({(r["op"], r["world_size"]) for r in rows}):
@@ -200,7 +200,10 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         for size in sizes:
             auto, native = by.get((op, n, "auto", size)), by.get((op, n, "native", size))
             if auto and native:
-                ratios[size] = auto["busbw_GBps"] / native["busbw_GBps"]
+                # Paired: run i timed native and auto back to back under the same load, so the
+                # median of the per-run ratios cancels the load drift between runs.
+                pairs = zip(native["samples_us"], auto["samples_us"], strict=True)
+                ratios[size] = statistics.median(n_us / a_us for n_us, a_us in pairs)
         ring_wins = [
             s
             for s in sizes
