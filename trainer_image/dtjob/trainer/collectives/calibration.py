@@ -8,6 +8,16 @@ all-peers step adds. Reductions keep the fastest of a few repetitions. The ranks
 numbers with the ring all-reduce, so every rank holds the same bits and picks the same algorithms.
 It costs ~250 ms here with 4 ranks on 2 cores (~600 ms with 8), once, inside the collective that
 triggered it, in the group's call order, so it is itself a well-ordered collective.
+
+How far to trust it: on the 2-vCPU VM of bench/results, 4 ranks, it does not come out the same
+twice. Eight calibrations in a row in one process measured alpha 0.28-1.06 ms and overhead
+0.14-0.56 ms. Small messages always went to rd. At 2-8 MiB, though, direct against hd hinges on
+overhead < alpha / 2, and four of the eight chose hd at 4 MiB. The benchmark, timing both, had
+direct faster at 4 MiB in 8 of 9 runs. Auto took direct in 8 of those 9 runs; in the ninth it
+took rd and reached 0.79 of native instead of ~1.0. Two changes did not steady the choice:
+15 chains per probe instead of 7 (~430 ms; direct in 13 of 18), and racing the four all-reduce
+algorithms at 1 MiB for ~130 ms, whose timings scattered as widely. Where the choice matters,
+pin it with DTJOB_COLLECTIVE_ALGO.
 """
 
 from __future__ import annotations
