@@ -16,9 +16,10 @@ Reading small-message numbers on a virtual machine: a rank that waits lets its v
 waking a halted vCPU can take a host timer tick. On the 2-vCPU VM of bench/results, world 2, 4 KiB
 all-reduce, 300 calls of dtjob's ring took p50 0.69 ms, p75 4.0 ms, p95 7.7 ms, in 4 ms steps.
 With two nice-19 busy loops keeping both vCPUs awake, the same calls took p50 0.54 ms and p95
-0.86 ms. Torch's own calls have the same tail (p95 3.6-7.4 ms), only less often. So world-2
-results below 1 MiB mostly time the hypervisor. With 4 and 8 ranks on 2 cores the vCPUs rarely
-idle, and there the cost is CPU: 70-76% of it in the kernel's loopback TCP copies.
+0.86 ms. Torch's own calls have a tail with another cause: p95 1.5-3.9 ms without the busy loops
+and 3.6-7.4 ms with them. So world-2 results below 1 MiB mostly time the hypervisor. With 4 and
+8 ranks on 2 cores the vCPUs rarely idle, and there the cost is CPU: 70-76% of it in the kernel's
+loopback TCP copies.
 """
 
 from __future__ import annotations
