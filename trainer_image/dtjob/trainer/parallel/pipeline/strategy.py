@@ -222,8 +222,9 @@ class PipelineStrategy:
                     if out_shape is None:
                         out_shape = (tuple(out.shape), out.dtype)
                         sends.append(self._send_header(out))
-                    send = self.world_comm.send
-                    sends.append(send(out.detach(), self.next_rank, _TAG_ACTIVATION, async_op=True))
+                    sends.append(
+                        self.world_comm.send(out.detach(), self.next_rank, _TAG_ACTIVATION, async_op=True)
+                    )
                 stage_inputs[m], stage_outputs[m] = x, out
             else:
                 x, out = stage_inputs.pop(m), stage_outputs.pop(m)
