@@ -57,7 +57,8 @@ def exact_cases(world: int) -> list[dict[str, Any]]:
         )
         for stage in (1, 2, 3):
             cases.append(_c(f"zero{stage}-{algo}", strategy="fsdp", zero_stage=stage, collective=algo))
-    if "auto" in ALGORITHMS:  # Direct in the two strategies that overlap (DDP) and use every op (ZeRO-3)
+    # When dtjob's collectives are in the set: Direct in DDP (overlapped) and ZeRO-3 (every op).
+    if "auto" in ALGORITHMS:
         small_buckets = {"ddp_bucket_mb": 0.004, "ddp_first_bucket_mb": 0.001}
         cases.append(_c("ddp-direct", strategy="ddp", collective="direct", **small_buckets))
         cases.append(_c("zero3-direct", strategy="fsdp", zero_stage=3, collective="direct"))

@@ -45,13 +45,11 @@ class Comm:
         self.size = dist.get_world_size(group)
         self._ops: Any = dist
         self._extra: dict[str, str] = {}
-        self._broadcast_extra: dict[str, str] = {}
         if algorithm != "native":
             from dtjob.trainer import collectives  # imported lazily: only needed for dtjob's own
 
             self._ops = collectives
             self._extra = {"algorithm": algorithm}
-            self._broadcast_extra = {"algorithm": "auto" if algorithm == "direct" else algorithm}
 
     def global_rank(self, group_rank: int) -> int:
         """The default-group rank of this group's member `group_rank`."""
@@ -98,8 +96,9 @@ class Comm:
         if self.size == 1:
             return _Done()
         src = self.global_rank(src_group_rank)
+        extra = {"algorithm": "auto"} if self.algorithm == "direct" else self._extra  # direct: no broadcast
         return self._handle(
-            self._ops.broadcast(tensor, src=src, group=self.group, async_op=async_op, **self._broadcast_extra)
+            self._ops.broadcast(tensor, src=src, group=self.group, async_op=async_op, **extra)
         )
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int, async_op: bool = False) -> Handle:
