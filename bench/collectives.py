@@ -10,7 +10,8 @@ busbw follows nccl-tests: all-reduce algbw * 2(n-1)/n, reduce-scatter and all-ga
 algbw * (n-1)/n, with bytes = the whole vector (n x the per-rank slice for those two).
 
 Every number is a median: each (op, size) is timed `--runs` times, the implementations
-interleaved within each run so that the machine's load drifts over all of them alike.
+interleaved within each run so that the machine's load drifts over all of them alike. auto is
+timed after its trials (tuning.py) have settled: its warm-up makes enough calls for them.
 
 Reading small-message numbers on a virtual machine: a rank that waits lets its vCPU halt, and
 waking a halted vCPU can take a host timer tick. On the 2-vCPU VM of bench/results, world 2, 4 KiB
@@ -86,6 +87,7 @@ def _rank_main(rank: int, n: int, store: str, config: dict[str, Any], out: Any) 
     import torch.distributed as dist
 
     from dtjob.trainer import collectives as C
+    from dtjob.trainer.collectives.tuning import trials_from_env
 
     torch.set_num_threads(1)  # n ranks share the machine's cores; gloo reduces single-threaded too
     dist.init_process_group(
@@ -107,7 +109,12 @@ def _rank_main(rank: int, n: int, store: str, config: dict[str, Any], out: Any) 
             times: dict[str, list[float]] = {impl: [] for impl in config["impls"]}
             cpu_times: dict[str, list[float]] = {impl: [] for impl in config["impls"]}
             for impl in config["impls"]:
-                _call(impl, op, buf, big, small)  # warm-up (and the one-off calibration for auto)
+                # One warm-up call each; auto gets enough to calibrate and finish its trials of
+                # every candidate (tuning.py), so the table shows what it settled on, as
+                # nccl-tests' warm-up iterations keep start-up out of its numbers.
+                warm_ups = 1 + trials_from_env() * len(C.ALGORITHMS[op]) if impl == "auto" else 1
+                for _ in range(warm_ups):
+                    _call(impl, op, buf, big, small)
             for _ in range(config["runs"]):
                 for impl in config["impls"]:
                     dist.barrier()

@@ -318,6 +318,33 @@ def many_small(rank: int, n: int, arg: Any) -> dict[str, Any]:
     return check.result()
 
 
+def auto_trials(rank: int, n: int, arg: Any) -> dict[str, Any]:
+    """Auto's trials on two kinds of call, interleaved: every call exact, what ran and kept recorded."""
+    from dtjob.trainer.collectives.tuning import call_kind
+    from dtjob.trainer.collectives.work import runner_for
+
+    os.environ["DTJOB_COLLECTIVE_TRIALS"] = str(arg)
+    check = Checker()
+    lengths = {"small": 1_000, "large": 300_000}  # 4 KB and 1.2 MB of float32
+    ran: dict[str, list[str | None]] = {name: [] for name in lengths}
+    for i in range(30):
+        for name, length in lengths.items():
+            x = make_input(i, rank, length, torch.float32, exact=True)
+            expected = x.clone()
+            dist.all_reduce(expected)
+            C.all_reduce(x)
+            check.same(f"{name} call {i}", x, expected)
+            ran[name].append(C.last_algorithm("allreduce"))
+            check.digests[f"{name} {i}"] = digest(x)
+    del os.environ["DTJOB_COLLECTIVE_TRIALS"]
+    trials = runner_for(cast(dist.ProcessGroup, dist.group.WORLD)).trials
+    candidates = {
+        name: list(trials[call_kind("allreduce", length * 4, "float32")].candidates)
+        for name, length in lengths.items()
+    }
+    return {**check.result(), "ran": ran, "candidates": candidates}
+
+
 def dead_peer(rank: int, n: int, arg: Any) -> dict[str, Any]:
     """The last rank dies after one good collective; the others' next calls must raise, not hang."""
 

@@ -64,6 +64,19 @@ def test_bad_arguments_raise_clear_errors_and_odd_layouts_work() -> None:
     _assert_clean(run_world(2, "errors_and_layouts"))
 
 
+def test_auto_times_its_candidates_in_turn_then_every_rank_keeps_the_same_one() -> None:
+    trials = 3
+    results = run_world(4, "auto_trials", trials)
+    _assert_clean(results)
+    _assert_same_bits_everywhere(results)
+    assert all(r["ran"] == results[0]["ran"] and r["candidates"] == results[0]["candidates"] for r in results)
+    for name, ran in results[0]["ran"].items():
+        candidates = results[0]["candidates"][name]
+        timed = trials * len(candidates) if len(candidates) > 1 else 0
+        assert ran[:timed] == candidates * trials, f"{name}: the candidates must take turns: {ran}"
+        assert len(set(ran[timed:])) == 1 and ran[-1] in candidates, f"{name}: no single winner kept: {ran}"
+
+
 def test_a_dead_peer_makes_the_call_raise_instead_of_hanging() -> None:
     # A 5 s process-group timeout: ranks that wait on the dead rank's neighbours give up then.
     results = run_world(3, "dead_peer", pg_timeout_s=5.0, timeout_s=120.0)

@@ -1,9 +1,10 @@
 """dtjob's own collectives: Ring, Halving-Doubling and Direct built from torch.distributed p2p ops.
 
     from dtjob.trainer.collectives import all_reduce
-    all_reduce(grad, op=ReduceOp.AVG, group=dp_group)              # algorithm chosen by cost model
+    all_reduce(grad, op=ReduceOp.AVG, group=dp_group)              # cost model + timed trials choose
     all_reduce(grad, algorithm="ring")                             # or forced per call
     DTJOB_COLLECTIVE_ALGO="allreduce:hd;reduce_scatter:ring"       # or forced per op, like NCCL_ALGO
+    DTJOB_COLLECTIVE_TRIALS=0                                      # auto without trials (tuning.py)
 
 Same signatures, in-place behaviour and argument order as torch.distributed, plus the keyword
 `algorithm` ("auto", "ring", "hd"; "direct" for all_reduce, reduce_scatter and all_gather; "rd"

@@ -7,13 +7,14 @@ worker thread for `async_op=True`.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from dtjob.trainer.collectives import broadcast as broadcast_algos
-from dtjob.trainer.collectives import direct, halving_doubling, ring, selection
+from dtjob.trainer.collectives import direct, halving_doubling, ring, selection, tuning
 from dtjob.trainer.collectives.calibration import cost_model
 from dtjob.trainer.collectives.comm import Comm
 from dtjob.trainer.collectives.reduce_ops import SUPPORTED_DTYPES, ReduceOpLike, Reduction
@@ -81,13 +82,42 @@ def _algorithm(op: str, algorithm: str) -> str:
     return algorithm
 
 
-def _resolve(
-    op: str, algorithm: str, runner: GroupRunner, comm: Comm, nbytes: int, dtype: torch.dtype
+def _auto(op: str, runner: GroupRunner, comm: Comm, vector: torch.Tensor) -> tuple[str, tuning.Trials | None]:
+    """Auto's algorithm for this call, and the kind's Trials while they still time candidates.
+
+    The cost model names the candidates; during a kind's trials they take turns, then the ranks
+    agree on the fastest and keep it (tuning.py). With trials off the model alone decides.
+    """
+    nbytes = vector.numel() * vector.element_size()
+    dtype_name = str(vector.dtype).removeprefix("torch.")
+    model = cost_model(runner, comm)
+    per_candidate = tuning.trials_from_env()
+    if per_candidate == 0:
+        return selection.choose(op, nbytes, comm.size, dtype_name, model), None
+    kind = tuning.call_kind(op, nbytes, dtype_name)
+    trials = runner.trials.get(kind)
+    if trials is None:
+        found = tuning.candidates(op, nbytes, comm.size, dtype_name, model)
+        trials = runner.trials[kind] = tuning.Trials(found, per_candidate)
+    if trials.ready_to_agree():  # the same call on every rank: all counted the same trials
+        medians = torch.tensor(trials.local_medians(), dtype=torch.float64)
+        ring.all_reduce(comm, medians, Reduction(dist.ReduceOp.SUM, torch.float64))
+        trials.agree(medians.tolist())
+    if trials.winner is not None:
+        return trials.winner, None
+    return trials.next_candidate(), trials
+
+
+def _run(
+    op: str, choice: str, runner: GroupRunner, comm: Comm, vector: torch.Tensor, run: Callable[[str], None]
 ) -> str:
-    if algorithm == "auto":
-        model = cost_model(runner, comm)
-        algorithm = selection.choose(op, nbytes, comm.size, str(dtype).removeprefix("torch."), model)
+    """Run one call of `op` on the flat `vector` with `choice` ("auto" resolved); returns what ran."""
+    algorithm, trials = (choice, None) if choice != "auto" else _auto(op, runner, comm, vector)
     runner.last_algorithm[op] = algorithm
+    start = time.perf_counter()
+    run(algorithm)
+    if trials is not None:
+        trials.record(algorithm, time.perf_counter() - start)
     return algorithm
 
 
@@ -127,8 +157,7 @@ def all_reduce(
 
     def job(comm: Comm) -> str:
         flat, copied = _flat(tensor)
-        algo = _resolve("allreduce", choice, runner, comm, flat.numel() * flat.element_size(), flat.dtype)
-        _ALL_REDUCE[algo](comm, flat, reduction)
+        algo = _run("allreduce", choice, runner, comm, flat, lambda a: _ALL_REDUCE[a](comm, flat, reduction))
         if copied:
             tensor.copy_(flat.view_as(tensor))
         return algo
@@ -170,10 +199,14 @@ def reduce_scatter_tensor(
         work = comm.scratch(2, input.numel(), input)
         work.copy_(input.reshape(-1))
         bounds = [i * count for i in range(n + 1)]
-        algo = _resolve(
-            "reduce_scatter", choice, runner, comm, work.numel() * work.element_size(), work.dtype
+        algo = _run(
+            "reduce_scatter",
+            choice,
+            runner,
+            comm,
+            work,
+            lambda a: _REDUCE_SCATTER[a](comm, work, bounds, reduction),
         )
-        _REDUCE_SCATTER[algo](comm, work, bounds, reduction)
         output.copy_(work[bounds[comm.rank] : bounds[comm.rank + 1]].view(output.shape))
         return algo
 
@@ -212,8 +245,7 @@ def all_gather_into_tensor(
         flat, copied = _flat(output_tensor)
         bounds = [i * count for i in range(n + 1)]
         flat[bounds[comm.rank] : bounds[comm.rank + 1]].copy_(input_tensor.reshape(-1))
-        algo = _resolve("allgather", choice, runner, comm, flat.numel() * flat.element_size(), flat.dtype)
-        _ALL_GATHER[algo](comm, flat, bounds)
+        algo = _run("allgather", choice, runner, comm, flat, lambda a: _ALL_GATHER[a](comm, flat, bounds))
         if copied:
             output_tensor.copy_(flat.view_as(output_tensor))
         return algo
@@ -254,8 +286,7 @@ def broadcast(
 
     def job(comm: Comm) -> str:
         flat, copied = _flat(tensor)
-        algo = _resolve("broadcast", choice, runner, comm, flat.numel() * flat.element_size(), flat.dtype)
-        _BROADCAST[algo](comm, flat, root)
+        algo = _run("broadcast", choice, runner, comm, flat, lambda a: _BROADCAST[a](comm, flat, root))
         if copied:
             tensor.copy_(flat.view_as(tensor))
         return algo

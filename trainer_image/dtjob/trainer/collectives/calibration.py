@@ -16,8 +16,9 @@ overhead < alpha / 2, and four of the eight chose hd at 4 MiB. The benchmark, ti
 direct faster at 4 MiB in 8 of 9 runs. Auto took direct in 8 of those 9 runs; in the ninth it
 took rd and reached 0.79 of native instead of ~1.0. Two changes did not steady the choice:
 15 chains per probe instead of 7 (~430 ms; direct in 13 of 18), and racing the four all-reduce
-algorithms at 1 MiB for ~130 ms, whose timings scattered as widely. Where the choice matters,
-pin it with DTJOB_COLLECTIVE_ALGO.
+algorithms at 1 MiB for ~130 ms, whose timings scattered as widely. So auto does not follow the
+model blindly: it times the model's close candidates on the caller's own calls (tuning.py). Where
+the choice matters, pin it with DTJOB_COLLECTIVE_ALGO.
 """
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
 """Which algorithm runs a call: explicit keyword > DTJOB_COLLECTIVE_ALGO > alpha-beta-gamma cost model.
 
+(With trials on, the model proposes and tuning.py times its close candidates on real calls.)
+
 The cost model (Hockney's alpha-beta plus a gamma term for reduction, as in Thakur, Rabenseifner
 and Gropp, "Optimization of collective communication operations in MPICH", 2005):
 

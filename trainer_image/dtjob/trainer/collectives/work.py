@@ -19,6 +19,8 @@ from concurrent.futures import Future
 import torch
 import torch.distributed as dist
 
+from dtjob.trainer.collectives.tuning import Trials
+
 # Tags live in the upper half of the int32 range so they never meet the small tags a user's own
 # isend/irecv on the same group would use (gloo matches messages on (peer, tag)).
 _TAG_BASE = 1 << 30
@@ -73,6 +75,7 @@ class GroupRunner:
         self.rank = group.rank()
         self.size = group.size()
         self.cache: dict[str, object] = {}  # e.g. the calibrated cost model (selection.py)
+        self.trials: dict[tuple[str, str, int], Trials] = {}  # auto's timed candidates per kind of call
         self.scratch_pool: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}  # see Comm.scratch
         self.last_algorithm: dict[str, str] = {}  # op -> algorithm of its latest call (for inspection)
         self._seq = 0

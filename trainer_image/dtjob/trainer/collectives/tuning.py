@@ -1,0 +1,99 @@
+"""Auto's second opinion: time the cost model's close candidates on the caller's own calls.
+
+The calibrated model (selection.py) ranks algorithms well where they differ by a lot and badly
+where they are close: on the 2-vCPU VM of bench/results its constants scatter from one calibration
+to the next (calibration.py), and its pick at 1-8 MiB flipped between rd, hd and direct, once
+costing a fifth of the bandwidth. So for each kind of call - op, dtype and size within a power of
+two - the first calls cycle through every algorithm the model puts within TRIAL_FACTOR of its
+best, `trials` calls each. Each rank keeps its median time per candidate; the ranks then add their
+medians up with one small all-reduce, so every rank holds the same numbers and keeps the same
+winner for all later calls of that kind. (The same idea as STAR-MPI: Faraj, Yuan and Lowenthal,
+"STAR-MPI: self tuned adaptive routines for MPI collective operations", ICS 2006.)
+
+Every trial call is a complete, correct collective; only its speed varies. Every rank goes through
+the same calls in the same order, so they all reach each trial and the agreement at the same call.
+What this module holds is plain bookkeeping; the agreement's all-reduce is run by the caller (api.py).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from dataclasses import dataclass, field
+
+from dtjob.trainer.collectives.selection import ALGORITHMS, CostModel, predict
+
+TRIALS_ENV_VAR = "DTJOB_COLLECTIVE_TRIALS"
+
+# Timed calls per candidate. A call's time here jumps in 4 ms steps when a waiting vCPU halts
+# (bench/collectives.py), a quarter of a 1 MiB call; the median of 5 ignores two such outliers.
+DEFAULT_TRIALS = 5
+
+# Candidates are the algorithms predicted within this factor of the model's best. Under each of
+# the three calibrations in bench/results/allreduce_world4_repeats.txt (alpha 0.48-0.83 ms,
+# overhead 0.14-0.44 ms) the benchmark's winner at every size was predicted within 1.6x of the
+# predicted best; what is predicted at more than twice the best (the ring below 64 KiB) is left out.
+TRIAL_FACTOR = 2.0
+
+
+def trials_from_env() -> int:
+    """DTJOB_COLLECTIVE_TRIALS: timed calls per candidate (0 = trust the cost model alone)."""
+    text = os.environ.get(TRIALS_ENV_VAR)
+    if not text:
+        return DEFAULT_TRIALS
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"{TRIALS_ENV_VAR}={text!r}: expected a whole number >= 0 (0 turns trials off)")
+    return value
+
+
+def candidates(op: str, nbytes: int, world_size: int, dtype_name: str, model: CostModel) -> tuple[str, ...]:
+    """The algorithms worth timing, cheapest predicted first (ties in ALGORITHMS order)."""
+    predicted = {a: predict(op, a, nbytes, world_size, dtype_name, model) for a in ALGORITHMS[op]}
+    ranked = sorted(ALGORITHMS[op], key=lambda a: (predicted[a], ALGORITHMS[op].index(a)))
+    best = predicted[ranked[0]]
+    return tuple(a for a in ranked if predicted[a] <= TRIAL_FACTOR * best)
+
+
+def call_kind(op: str, nbytes: int, dtype_name: str) -> tuple[str, str, int]:
+    """Calls that share a choice: same op and dtype, sizes within the same power of two."""
+    return op, dtype_name, nbytes.bit_length()
+
+
+@dataclass
+class Trials:
+    """One kind of call: its candidates, their timings so far, and the winner once agreed."""
+
+    candidates: tuple[str, ...]
+    per_candidate: int
+    seconds: dict[str, list[float]] = field(default_factory=dict)
+    winner: str | None = None
+    calls: int = 0
+
+    def __post_init__(self) -> None:
+        if len(self.candidates) == 1 or self.per_candidate == 0:
+            self.winner = self.candidates[0]
+
+    def next_candidate(self) -> str:
+        """The candidate the next trial call runs: they take turns, so load drift hits all alike."""
+        return self.candidates[self.calls % len(self.candidates)]
+
+    def record(self, algorithm: str, seconds: float) -> None:
+        self.seconds.setdefault(algorithm, []).append(seconds)
+        self.calls += 1
+
+    def ready_to_agree(self) -> bool:
+        return self.winner is None and self.calls >= self.per_candidate * len(self.candidates)
+
+    def local_medians(self) -> list[float]:
+        """This rank's median seconds per candidate, in candidate order (what the ranks add up)."""
+        return [statistics.median(self.seconds[a]) for a in self.candidates]
+
+    def agree(self, summed_medians: list[float]) -> str:
+        """Keep the candidate with the least summed median (identical input on every rank)."""
+        best = min(range(len(self.candidates)), key=lambda i: (summed_medians[i], i))
+        self.winner = self.candidates[best]
+        return self.winner
