@@ -442,6 +442,7 @@ def trainer_comm_metrics(rank: int, n: int, arg: Any) -> dict[str, Any]:
         comm.reduce_scatter_sum(scattered, torch.ones(2 * n))
         shared = torch.full((5,), float(rank))
         comm.broadcast(shared, src_group_rank=n - 1)
+        comm.all_reduce_sum(torch.empty(0))  # sends nothing: labelled "none", not the previous call
         total = float(sum(range(n)))
         if not (bool((small == total).all()) and bool((large == total).all())):
             raise AssertionError(f"{algorithm}: all_reduce_sum gave {small[0]}/{large[0]}, not {total}")

@@ -96,6 +96,7 @@ def test_trainer_comm_runs_every_choice_and_labels_metrics_with_the_algorithm_th
         # scatter algorithm, and the labels say so.
         assert {"all_gather", "reduce_scatter"} <= set(labels["direct"]), labels
         assert labels.pop("p2p") == ["recv", "send"] and result["p2p_bytes_sent"] == 3 * 4
+        assert labels.pop("none") == ["all_reduce"], "an empty all-reduce sends nothing, so ran nothing"
         ran = set(labels) - {"native"}
         assert ran <= set(C.ALGORITHMS["allreduce"]) | set(C.ALGORITHMS["broadcast"]), labels
         ops = {op for name, names in labels.items() if name != "native" for op in names}

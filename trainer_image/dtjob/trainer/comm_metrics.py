@@ -1,8 +1,9 @@
 """Count the bytes and seconds of every collective the strategies issue, by op and algorithm.
 
-The algorithm label is what ran, not what was asked for: with "auto" it is the algorithm the cost
-model chose for that call (ring, hd, rd, direct, tree, ...), read from the call's handle or, for a
-synchronous call, from `collectives.last_algorithm` right after it returned.
+The algorithm label is what ran, not what was asked for: with "auto" it is the algorithm auto
+chose for that call (ring, hd, rd, direct, tree, ...), read from the call's handle or, for a
+synchronous call, from `collectives.last_algorithm` right after it returned. A call that sends
+nothing (a group of one, an empty tensor) is labelled "none": nothing ran and nothing was chosen.
 
 All strategies move their data through `dtjob.trainer.parallel.comm.Comm`, so that class is
 wrapped once per process: each call adds the bytes of its tensor(s) and, when its handle's
@@ -51,17 +52,17 @@ class _TimedHandle:
         return result
 
 
-def _ran(comm: Comm, handle: Any, selection_op: str | None) -> str:
-    """The algorithm a finished call ran: p2p, native, the handle's own record, or the group's latest."""
+def _ran(comm: Comm, handle: Any, selection_op: str | None, nbytes: int) -> str:
+    """The algorithm a finished call ran: p2p, native, none, the handle's record, or the group's latest."""
     if selection_op is None:
         return "p2p"
     if comm.algorithm == "native":
         return "native"
+    if comm.size == 1 or nbytes == 0:
+        return "none"  # returned before any message (the group's latest would be another call's)
     recorded = getattr(handle, "algorithm", None)
     if isinstance(recorded, str):
         return recorded
-    if comm.size == 1:
-        return comm.algorithm  # nothing was sent, so nothing was chosen
     from dtjob.trainer import collectives
 
     return collectives.last_algorithm(selection_op, comm.group) or comm.algorithm
@@ -80,7 +81,7 @@ def _wrap(
         handle = method(self, *args, **kwargs)
 
         def done() -> None:
-            algorithm = _ran(self, handle, selection_op)
+            algorithm = _ran(self, handle, selection_op, nbytes)
             for metrics in _installed:
                 metrics.observe_collective(op, algorithm, nbytes, time.perf_counter() - started)
 
