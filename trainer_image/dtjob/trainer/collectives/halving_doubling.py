@@ -21,6 +21,10 @@ contiguous union of their chunks, which is what reduce-scatter and all-gather ne
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
 from dtjob.trainer.collectives.comm import Comm, balanced_bounds, wait_all
@@ -59,17 +63,31 @@ class _Step:
         self.peer, self.send, self.recv, self.target = peer, send, recv, target
 
 
-def _run(comm: Comm, steps: list[_Step], reduction: Reduction | None) -> None:
-    """Run the exchanges in order, segment by segment; reduce into `recv` if `reduction` is given.
+@dataclass
+class _Phase:
+    """Exchanges that run in order, reducing what arrives with `reduction` (None: just receive);
+    `then` runs when the phase is done (the all-reduce finishes its block there, e.g. AVG's divide)."""
+
+    steps: list[_Step]
+    reduction: Reduction | None = None
+    then: Callable[[], None] = lambda: None
+
+
+def _run(comm: Comm, phases: list[_Phase]) -> None:
+    """Run the phases' exchanges in order, segment by segment, reducing where a phase says so.
 
     Both ends cut their send and receive regions into the same number of segments, so segment j of
     one side's send is segment j of the other's receive; segment j is reduced while segment j+1 is
-    still in flight. On gloo every step's receives are posted before the first send (each step has
-    its own target area), so no send waits for its receiver to catch up.
+    still in flight. On gloo every receive of every phase is posted before the first send (each
+    step has its own target area), so no send waits for its receiver to catch up. For the
+    all-reduce that includes the all-gather's receives, which is safe: the partner of a doubling
+    step sends back the very blocks we gave it in the halving step of the same mask, and only
+    after it received them; we never touch those blocks again in between. Measured (4 ranks, one
+    run paired with the all-reduce that posted them at the all-gather's start): 1.26x as fast at
+    64 KiB, 1.21x at 1 MiB, on par at 4 MiB, 1.03x at 16 MiB.
     """
-    if not steps:
-        return
-    prepost = comm.can_prepost(steps[0].send.device)
+    steps = [step for phase in phases for step in phase.steps]
+    prepost = bool(steps) and comm.can_prepost(steps[0].send.device)
     plans = []
     for step in steps:
         k = comm.segments(max(step.send.numel(), step.recv.numel()), step.send.element_size())
@@ -80,23 +98,26 @@ def _run(comm: Comm, steps: list[_Step], reduction: Reduction | None) -> None:
             for j in range(len(r_b) - 1):
                 recvs[t, j] = comm.post(recvs=[(step.target[r_b[j] : r_b[j + 1]], step.peer)])[1]
     sends: list[torch.distributed.Work] = []
-    for t, (step, (s_b, r_b)) in enumerate(zip(steps, plans, strict=True)):
-        for j in range(len(s_b) - 1):
-            own = [] if prepost else [(step.target[r_b[j] : r_b[j + 1]], step.peer)]
-            sw, rw = comm.post(sends=[(step.send[s_b[j] : s_b[j + 1]], step.peer)], recvs=own)
-            sends += sw
-            if not prepost:
-                recvs[t, j] = rw
-        for j in range(len(r_b) - 1):
-            wait_all(recvs.pop((t, j)))
-            if reduction is not None:
-                reduction.combine(step.recv[r_b[j] : r_b[j + 1]], step.target[r_b[j] : r_b[j + 1]])
+    t = 0
+    for phase in phases:
+        for step in phase.steps:
+            s_b, r_b = plans[t]
+            for j in range(len(s_b) - 1):
+                own = [] if prepost else [(step.target[r_b[j] : r_b[j + 1]], step.peer)]
+                sw, rw = comm.post(sends=[(step.send[s_b[j] : s_b[j + 1]], step.peer)], recvs=own)
+                sends += sw
+                if not prepost:
+                    recvs[t, j] = rw
+            for j in range(len(r_b) - 1):
+                wait_all(recvs.pop((t, j)))
+                if phase.reduction is not None:
+                    phase.reduction.combine(step.recv[r_b[j] : r_b[j + 1]], step.target[r_b[j] : r_b[j + 1]])
+            t += 1
+        phase.then()
     wait_all(sends)
 
 
-def halving_reduce_scatter(
-    comm: Comm, fold: Fold, vrank: int, buf: torch.Tensor, vbounds: list[int], reduction: Reduction
-) -> None:
+def halving_steps(comm: Comm, fold: Fold, vrank: int, buf: torch.Tensor, vbounds: list[int]) -> list[_Step]:
     """Recursive halving among the virtual ranks; afterwards block `vrank` holds the reduction."""
     regions = []
     lo, hi = 0, fold.p
@@ -121,10 +142,10 @@ def halving_reduce_scatter(
             )
         )
         offset += size
-    _run(comm, steps, reduction)
+    return steps
 
 
-def doubling_all_gather(comm: Comm, fold: Fold, vrank: int, buf: torch.Tensor, vbounds: list[int]) -> None:
+def doubling_steps(fold: Fold, vrank: int, buf: torch.Tensor, vbounds: list[int]) -> list[_Step]:
     """Recursive doubling among the virtual ranks; block `vrank` valid before, all blocks after."""
     steps = []
     mask = 1
@@ -135,7 +156,7 @@ def doubling_all_gather(comm: Comm, fold: Fold, vrank: int, buf: torch.Tensor, v
         recv = buf[vbounds[theirs] : vbounds[theirs + mask]]
         steps.append(_Step(fold.real(partner), buf[vbounds[mine] : vbounds[mine + mask]], recv, recv))
         mask *= 2
-    _run(comm, steps, None)
+    return steps
 
 
 def _fold_in(comm: Comm, fold: Fold, buf: torch.Tensor, reduction: Reduction) -> int | None:
@@ -187,7 +208,7 @@ def reduce_scatter(comm: Comm, buf: torch.Tensor, bounds: list[int], reduction: 
     vrank = _fold_in(comm, fold, buf, reduction)
     if vrank is not None:
         vbounds = fold.block_bounds(bounds)
-        halving_reduce_scatter(comm, fold, vrank, buf, vbounds, reduction)
+        _run(comm, [_Phase(halving_steps(comm, fold, vrank, buf, vbounds), reduction)])
         reduction.finish(buf[vbounds[vrank] : vbounds[vrank + 1]], comm.size)
     # An odd rank 2i+1 (i < e) owns chunks 2i and 2i+1; chunk 2i goes back to rank 2i.
     mate = comm.rank - 1 if comm.rank % 2 == 1 else comm.rank
@@ -207,7 +228,7 @@ def all_gather(comm: Comm, buf: torch.Tensor, bounds: list[int]) -> None:
         else:
             wait_all(comm.post(recvs=[(chunk, r - 1)])[1])
     if vrank is not None:
-        doubling_all_gather(comm, fold, vrank, buf, fold.block_bounds(bounds))
+        _run(comm, [_Phase(doubling_steps(fold, vrank, buf, fold.block_bounds(bounds)))])
     _unfold(comm, fold, None, buf)
 
 
@@ -217,9 +238,10 @@ def all_reduce(comm: Comm, buf: torch.Tensor, reduction: Reduction) -> None:
     vrank = _fold_in(comm, fold, buf, reduction)
     if vrank is not None:
         vbounds = balanced_bounds(buf.numel(), fold.p)
-        halving_reduce_scatter(comm, fold, vrank, buf, vbounds, reduction)
-        reduction.finish(buf[vbounds[vrank] : vbounds[vrank + 1]], comm.size)
-        doubling_all_gather(comm, fold, vrank, buf, vbounds)
+        mine = buf[vbounds[vrank] : vbounds[vrank + 1]]
+        finish = functools.partial(reduction.finish, mine, comm.size)
+        halving = _Phase(halving_steps(comm, fold, vrank, buf, vbounds), reduction, finish)
+        _run(comm, [halving, _Phase(doubling_steps(fold, vrank, buf, vbounds))])
     _unfold(comm, fold, None, buf)
 
 

@@ -9,10 +9,13 @@ forwards owned chunks around the ring unchanged, so every rank ends with the sam
 Each chunk is cut into the same number k of segments (balanced, possibly empty) so that segment j of
 step s is the very region sent as segment j of step s+1: as soon as segment j is reduced it is sent
 on while segment j+1 is still arriving. That is gloo's segmented ring: transfer and reduction overlap.
-On gloo every receive is posted up front (see Comm.can_prepost), each step into its own scratch area.
+On gloo every receive is posted up front (see Comm.can_prepost), each step into its own scratch area;
+the all-reduce posts its all-gather's receives before its reduce-scatter's first send.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -26,7 +29,13 @@ def _segments(bounds: list[int], chunk: int, k: int) -> list[tuple[int, int]]:
     return [(lo + sub[j], lo + sub[j + 1]) for j in range(k)]
 
 
-def reduce_scatter(comm: Comm, buf: torch.Tensor, bounds: list[int], reduction: Reduction) -> None:
+def reduce_scatter(
+    comm: Comm,
+    buf: torch.Tensor,
+    bounds: list[int],
+    reduction: Reduction,
+    before_first_send: Callable[[], None] = lambda: None,
+) -> None:
     """In place on the flat `buf`: afterwards chunk `comm.rank` holds the finished reduction."""
     n, r = comm.size, comm.rank
     if n > 1:
@@ -53,6 +62,7 @@ def reduce_scatter(comm: Comm, buf: torch.Tensor, bounds: list[int], reduction: 
             for step in range(steps):
                 for j, view in enumerate(recv_views(step)):
                     recvs[step, j] = comm.post(recvs=[(view, prv)])[1]
+        before_first_send()
         first = _segments(bounds, (r - 1) % n, k)
         first_recv = recv_views(0)
         for j, (lo, hi) in enumerate(first):
@@ -78,26 +88,51 @@ def reduce_scatter(comm: Comm, buf: torch.Tensor, bounds: list[int], reduction: 
     reduction.finish(buf[bounds[r] : bounds[r + 1]], n)
 
 
-def all_gather(comm: Comm, buf: torch.Tensor, bounds: list[int]) -> None:
-    """In place on the flat `buf`: chunk `comm.rank` is valid before, every chunk after."""
+Posted = dict[tuple[int, int], list[torch.distributed.Work]]  # (step, segment) -> its receive
+
+
+def _gather_segments(comm: Comm, bounds: list[int], step: int, k: int) -> list[tuple[int, int]]:
+    """What the all-gather's step `step` receives: chunk r-step-1, in k segments."""
+    return _segments(bounds, (comm.rank - step - 1) % comm.size, k)
+
+
+def _post_gather_recvs(comm: Comm, buf: torch.Tensor, bounds: list[int], k: int) -> Posted:
+    """Every receive of the all-gather (each step into its own chunk of buf, so all at once)."""
+    prv = (comm.rank - 1) % comm.size
+    return {
+        (step, j): comm.post(recvs=[(buf[lo:hi], prv)])[1]
+        for step in range(comm.size - 1)
+        for j, (lo, hi) in enumerate(_gather_segments(comm, bounds, step, k))
+    }
+
+
+def _largest_segments(comm: Comm, buf: torch.Tensor, bounds: list[int]) -> int:
+    largest = max(bounds[i + 1] - bounds[i] for i in range(comm.size))
+    return comm.segments(largest, buf.element_size())
+
+
+def all_gather(comm: Comm, buf: torch.Tensor, bounds: list[int], posted: Posted | None = None) -> None:
+    """In place on the flat `buf`: chunk `comm.rank` is valid before, every chunk after.
+
+    `posted`: the receives, if the caller has posted them already (_post_gather_recvs).
+    """
     n, r = comm.size, comm.rank
     if n == 1:
         return
     nxt, prv = (r + 1) % n, (r - 1) % n
-    largest = max(bounds[i + 1] - bounds[i] for i in range(n))
-    k = comm.segments(largest, buf.element_size())
+    k = _largest_segments(comm, buf, bounds)
     steps = n - 1
     prepost = comm.can_prepost(buf.device)
 
     def recv_segs(step: int) -> list[tuple[int, int]]:
-        return _segments(bounds, (r - step - 1) % n, k)
+        return _gather_segments(comm, bounds, step, k)
 
-    recvs: dict[tuple[int, int], list[torch.distributed.Work]] = {}
+    recvs: Posted = {}
     sends: list[torch.distributed.Work] = []
-    if prepost:  # every step receives into its own chunk of buf: all can be posted now
-        for step in range(steps):
-            for j, (lo, hi) in enumerate(recv_segs(step)):
-                recvs[step, j] = comm.post(recvs=[(buf[lo:hi], prv)])[1]
+    if posted is not None:
+        recvs = posted
+    elif prepost:
+        recvs = _post_gather_recvs(comm, buf, bounds, k)
     first_recv = recv_segs(0)
     for j, (lo, hi) in enumerate(_segments(bounds, r, k)):
         a, b = first_recv[j]
@@ -121,5 +156,21 @@ def all_gather(comm: Comm, buf: torch.Tensor, bounds: list[int]) -> None:
 def all_reduce(comm: Comm, buf: torch.Tensor, reduction: Reduction) -> None:
     """Ring all-reduce of the flat `buf` in place: reduce-scatter, then all-gather."""
     bounds = balanced_bounds(buf.numel(), comm.size)
-    reduce_scatter(comm, buf, bounds, reduction)
-    all_gather(comm, buf, bounds)
+    if comm.size == 1 or not comm.can_prepost(buf.device):
+        reduce_scatter(comm, buf, bounds, reduction)
+        all_gather(comm, buf, bounds)
+        return
+    # On gloo the all-gather's receives go up before the first send, so a neighbour that finishes
+    # its reduce-scatter first finds them posted: a send that beats its receive waits a round trip
+    # of gloo's ready-notifications. Measured (4 ranks, two runs, paired with the ring that posted
+    # them at the all-gather's start): 1.24-1.5x as fast at 1 MiB, 1.05-1.07x at 4 MiB, 1.04-1.12x
+    # at 16 MiB, 1.03x at 64 MiB.
+    # It is safe: the gather message into chunk c comes from c's owner once it has reduced c, which
+    # needs our reduce-scatter send of c to have arrived; we never touch c in the reduce-scatter
+    # after that send.
+    posted: Posted = {}
+    k = _largest_segments(comm, buf, bounds)
+    reduce_scatter(
+        comm, buf, bounds, reduction, lambda: posted.update(_post_gather_recvs(comm, buf, bounds, k))
+    )
+    all_gather(comm, buf, bounds, posted)
