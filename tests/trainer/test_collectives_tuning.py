@@ -42,19 +42,20 @@ def test_sizes_within_one_power_of_two_share_a_kind() -> None:
     assert call_kind("allreduce", 1024, "float32") != call_kind("allgather", 1024, "float32")
 
 
-def test_candidates_take_turns_then_the_least_summed_median_is_kept() -> None:
-    trials = Trials(("rd", "direct", "hd"), per_candidate=2)
-    seconds = {"rd": [3.0, 9.0], "direct": [2.0, 2.5], "hd": [1.0, 30.0]}
+def test_candidates_take_turns_then_the_least_median_over_the_ranks_minima_is_kept() -> None:
+    trials = Trials(("rd", "direct", "hd"), per_candidate=3)
+    seconds = {"rd": [3.0, 9.0, 4.0], "direct": [2.0, 2.5, 2.2], "hd": [1.0, 30.0, 0.5]}
     ran = []
     while not trials.ready_to_agree():
         algorithm = trials.next_candidate()
         ran.append(algorithm)
         trials.record(algorithm, seconds[algorithm][ran.count(algorithm) - 1])
-    assert ran == ["rd", "direct", "hd"] * 2
+    assert ran == ["rd", "direct", "hd"] * 3
     assert trials.winner is None
-    assert trials.local_medians() == [6.0, 2.25, 15.5]  # hd's one slow call weighs like rd's
-    # The ranks' sums decide, not this rank's own medians.
-    assert trials.agree([10.0, 9.0, 11.0]) == "direct"
+    assert trials.local_seconds() == [3.0, 9.0, 4.0, 2.0, 2.5, 2.2, 1.0, 30.0, 0.5]
+    # The ranks' combined times decide, not this rank's own (by which hd, median 1.0, would win).
+    combined = [3.0, 3.0, 3.0, 1.0, 9.0, 1.5, 2.0, 2.0, 2.0]  # medians: rd 3.0, direct 1.5, hd 2.0
+    assert trials.agree(combined) == "direct"
     assert trials.winner == "direct" and not trials.ready_to_agree()
 
 

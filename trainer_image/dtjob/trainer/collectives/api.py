@@ -100,9 +100,9 @@ def _auto(op: str, runner: GroupRunner, comm: Comm, vector: torch.Tensor) -> tup
         found = tuning.candidates(op, nbytes, comm.size, dtype_name, model)
         trials = runner.trials[kind] = tuning.Trials(found, per_candidate)
     if trials.ready_to_agree():  # the same call on every rank: all counted the same trials
-        medians = torch.tensor(trials.local_medians(), dtype=torch.float64)
-        ring.all_reduce(comm, medians, Reduction(dist.ReduceOp.SUM, torch.float64))
-        trials.agree(medians.tolist())
+        seconds = torch.tensor(trials.local_seconds(), dtype=torch.float64)
+        ring.all_reduce(comm, seconds, Reduction(dist.ReduceOp.MIN, torch.float64))
+        trials.agree(seconds.tolist())
     if trials.winner is not None:
         return trials.winner, None
     return trials.next_candidate(), trials

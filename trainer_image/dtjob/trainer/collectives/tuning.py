@@ -5,10 +5,12 @@ where they are close: on the 2-vCPU VM of bench/results its constants scatter fr
 to the next (calibration.py), and its pick at 1-8 MiB flipped between rd, hd and direct, once
 costing a fifth of the bandwidth. So for each kind of call - op, dtype and size within a power of
 two - the first calls cycle through every algorithm the model puts within TRIAL_FACTOR of its
-best, `trials` calls each. Each rank keeps its median time per candidate; the ranks then add their
-medians up with one small all-reduce, so every rank holds the same numbers and keeps the same
-winner for all later calls of that kind. (The same idea as STAR-MPI: Faraj, Yuan and Lowenthal,
-"STAR-MPI: self tuned adaptive routines for MPI collective operations", ICS 2006.)
+best, `trials` calls each, and every rank times them. Then one small all-reduce (MIN) takes, call
+by call, the shortest time any rank saw: the rank that arrived last waited for nobody, so its time
+is the collective's own, free of how staggered the ranks came in (which depends on what ran
+before). Every rank then holds the same numbers and keeps the same winner, the least median, for
+all later calls of that kind. (The same idea as STAR-MPI: Faraj, Yuan and Lowenthal, "STAR-MPI:
+self tuned adaptive routines for MPI collective operations", ICS 2006.)
 
 Every trial call is a complete, correct collective; only its speed varies. Every rank goes through
 the same calls in the same order, so they all reach each trial and the agreement at the same call.
@@ -88,12 +90,16 @@ class Trials:
     def ready_to_agree(self) -> bool:
         return self.winner is None and self.calls >= self.per_candidate * len(self.candidates)
 
-    def local_medians(self) -> list[float]:
-        """This rank's median seconds per candidate, in candidate order (what the ranks add up)."""
-        return [statistics.median(self.seconds[a]) for a in self.candidates]
+    def local_seconds(self) -> list[float]:
+        """This rank's time of every trial call, candidate after candidate (what the ranks combine)."""
+        return [s for a in self.candidates for s in self.seconds[a][: self.per_candidate]]
 
-    def agree(self, summed_medians: list[float]) -> str:
-        """Keep the candidate with the least summed median (identical input on every rank)."""
-        best = min(range(len(self.candidates)), key=lambda i: (summed_medians[i], i))
+    def agree(self, fastest_rank_seconds: list[float]) -> str:
+        """Keep the candidate with the least median; the input is local_seconds() at its MIN over
+        the ranks, identical on every rank, so every rank keeps the same one."""
+        k = self.per_candidate
+        chunks = [fastest_rank_seconds[i * k : (i + 1) * k] for i in range(len(self.candidates))]
+        medians = [statistics.median(chunk) for chunk in chunks]
+        best = min(range(len(self.candidates)), key=lambda i: (medians[i], i))
         self.winner = self.candidates[best]
         return self.winner
