@@ -136,6 +136,27 @@ def _submit(
     return runner.submit(lambda tag: job(Comm(group, tag, scratch_pool=pool)), async_op, tensors)
 
 
+def _submit_in_place(
+    op: str,
+    choice: str,
+    runner: GroupRunner,
+    tensor: torch.Tensor,
+    async_op: bool,
+    algorithm: Callable[[str, Comm, torch.Tensor], None],
+) -> CollectiveWork | None:
+    """Submit `algorithm(name, comm, flat)` on a flat view of `tensor` (all_reduce, broadcast and
+    all_gather work in place); a non-contiguous tensor is worked on in a copy, written back after."""
+
+    def job(comm: Comm) -> str:
+        flat, copied = _flat(tensor)
+        ran = _run(op, choice, runner, comm, flat, lambda name: algorithm(name, comm, flat))
+        if copied:
+            tensor.copy_(flat.view_as(tensor))
+        return ran
+
+    return _submit(runner, job, async_op, [tensor])
+
+
 def all_reduce(
     tensor: torch.Tensor,
     op: ReduceOpLike = dist.ReduceOp.SUM,
@@ -155,14 +176,10 @@ def all_reduce(
     if runner.size == 1 or tensor.numel() == 0:
         return completed_work([tensor]) if async_op else None
 
-    def job(comm: Comm) -> str:
-        flat, copied = _flat(tensor)
-        algo = _run("allreduce", choice, runner, comm, flat, lambda a: _ALL_REDUCE[a](comm, flat, reduction))
-        if copied:
-            tensor.copy_(flat.view_as(tensor))
-        return algo
+    def run(name: str, comm: Comm, flat: torch.Tensor) -> None:
+        _ALL_REDUCE[name](comm, flat, reduction)
 
-    return _submit(runner, job, async_op, [tensor])
+    return _submit_in_place("allreduce", choice, runner, tensor, async_op, run)
 
 
 def reduce_scatter_tensor(
@@ -241,16 +258,13 @@ def all_gather_into_tensor(
         output_tensor.copy_(input_tensor.reshape(output_tensor.shape))
         return completed_work([output_tensor]) if async_op else None
 
-    def job(comm: Comm) -> str:
-        flat, copied = _flat(output_tensor)
-        bounds = [i * count for i in range(n + 1)]
-        flat[bounds[comm.rank] : bounds[comm.rank + 1]].copy_(input_tensor.reshape(-1))
-        algo = _run("allgather", choice, runner, comm, flat, lambda a: _ALL_GATHER[a](comm, flat, bounds))
-        if copied:
-            output_tensor.copy_(flat.view_as(output_tensor))
-        return algo
+    bounds = [i * count for i in range(n + 1)]
 
-    return _submit(runner, job, async_op, [output_tensor])
+    def run(name: str, comm: Comm, flat: torch.Tensor) -> None:
+        flat[bounds[comm.rank] : bounds[comm.rank + 1]].copy_(input_tensor.reshape(-1))
+        _ALL_GATHER[name](comm, flat, bounds)
+
+    return _submit_in_place("allgather", choice, runner, output_tensor, async_op, run)
 
 
 def broadcast(
@@ -284,14 +298,10 @@ def broadcast(
     if runner.size == 1 or tensor.numel() == 0:
         return completed_work([tensor]) if async_op else None
 
-    def job(comm: Comm) -> str:
-        flat, copied = _flat(tensor)
-        algo = _run("broadcast", choice, runner, comm, flat, lambda a: _BROADCAST[a](comm, flat, root))
-        if copied:
-            tensor.copy_(flat.view_as(tensor))
-        return algo
+    def run(name: str, comm: Comm, flat: torch.Tensor) -> None:
+        _BROADCAST[name](comm, flat, root)
 
-    return _submit(runner, job, async_op, [tensor])
+    return _submit_in_place("broadcast", choice, runner, tensor, async_op, run)
 
 
 def last_algorithm(op: str, group: ProcessGroup | None = None) -> str | None:
