@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from dtjob.trainer import collectives as C
+from dtjob.trainer.collectives.tuning import BLOCK_CALLS
 from tests.trainer.collectives_harness import run_world
 
 
@@ -72,8 +73,9 @@ def test_auto_times_its_candidates_in_turn_then_every_rank_keeps_the_same_one() 
     assert all(r["ran"] == results[0]["ran"] and r["candidates"] == results[0]["candidates"] for r in results)
     for name, ran in results[0]["ran"].items():
         candidates = results[0]["candidates"][name]
-        timed = trials * len(candidates) if len(candidates) > 1 else 0
-        assert ran[:timed] == candidates * trials, f"{name}: the candidates must take turns: {ran}"
+        timed = BLOCK_CALLS * trials * len(candidates) if len(candidates) > 1 else 0
+        blocks = [c for c in candidates for _ in range(BLOCK_CALLS)]
+        assert ran[:timed] == blocks * trials, f"{name}: the candidates must take turns: {ran}"
         assert len(set(ran[timed:])) == 1 and ran[-1] in candidates, f"{name}: no single winner kept: {ran}"
 
 

@@ -6,6 +6,7 @@ import pytest
 
 from dtjob.trainer.collectives.selection import ALGORITHMS, CostModel, choose, predict
 from dtjob.trainer.collectives.tuning import (
+    BLOCK_CALLS,
     TRIAL_FACTOR,
     TRIALS_ENV_VAR,
     Trials,
@@ -42,18 +43,24 @@ def test_sizes_within_one_power_of_two_share_a_kind() -> None:
     assert call_kind("allreduce", 1024, "float32") != call_kind("allgather", 1024, "float32")
 
 
-def test_candidates_take_turns_then_the_least_median_over_the_ranks_minima_is_kept() -> None:
+def test_candidates_take_turns_in_blocks_then_the_least_median_of_the_ranks_sums_is_kept() -> None:
+    assert BLOCK_CALLS == 2
     trials = Trials(("rd", "direct", "hd"), per_candidate=3)
-    seconds = {"rd": [3.0, 9.0, 4.0], "direct": [2.0, 2.5, 2.2], "hd": [1.0, 30.0, 0.5]}
-    ran = []
+    # Per candidate, its calls in order: a settling call (99: never counted), then a timed one.
+    seconds = {
+        "rd": [99, 3.0, 99, 9.0, 99, 4.0],
+        "direct": [99, 2.0, 99, 2.5, 99, 2.2],
+        "hd": [99, 1.0, 99, 30.0, 99, 0.5],
+    }
+    ran: list[str] = []
     while not trials.ready_to_agree():
         algorithm = trials.next_candidate()
         ran.append(algorithm)
         trials.record(algorithm, seconds[algorithm][ran.count(algorithm) - 1])
-    assert ran == ["rd", "direct", "hd"] * 3
+    assert ran == ["rd", "rd", "direct", "direct", "hd", "hd"] * 3
     assert trials.winner is None
     assert trials.local_seconds() == [3.0, 9.0, 4.0, 2.0, 2.5, 2.2, 1.0, 30.0, 0.5]
-    # The ranks' combined times decide, not this rank's own (by which hd, median 1.0, would win).
+    # The ranks' sums decide, not this rank's own times (by which hd, median 1.0, would win).
     combined = [3.0, 3.0, 3.0, 1.0, 9.0, 1.5, 2.0, 2.0, 2.0]  # medians: rd 3.0, direct 1.5, hd 2.0
     assert trials.agree(combined) == "direct"
     assert trials.winner == "direct" and not trials.ready_to_agree()

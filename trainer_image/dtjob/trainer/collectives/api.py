@@ -101,7 +101,7 @@ def _auto(op: str, runner: GroupRunner, comm: Comm, vector: torch.Tensor) -> tup
         trials = runner.trials[kind] = tuning.Trials(found, per_candidate)
     if trials.ready_to_agree():  # the same call on every rank: all counted the same trials
         seconds = torch.tensor(trials.local_seconds(), dtype=torch.float64)
-        ring.all_reduce(comm, seconds, Reduction(dist.ReduceOp.MIN, torch.float64))
+        ring.all_reduce(comm, seconds, Reduction(dist.ReduceOp.SUM, torch.float64))
         trials.agree(seconds.tolist())
     if trials.winner is not None:
         return trials.winner, None

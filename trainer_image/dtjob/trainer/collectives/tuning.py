@@ -5,12 +5,14 @@ where they are close: on the 2-vCPU VM of bench/results its constants scatter fr
 to the next (calibration.py), and its pick at 1-8 MiB flipped between rd, hd and direct, once
 costing a fifth of the bandwidth. So for each kind of call - op, dtype and size within a power of
 two - the first calls cycle through every algorithm the model puts within TRIAL_FACTOR of its
-best, `trials` calls each, and every rank times them. Then one small all-reduce (MIN) takes, call
-by call, the shortest time any rank saw: the rank that arrived last waited for nobody, so its time
-is the collective's own, free of how staggered the ranks came in (which depends on what ran
-before). Every rank then holds the same numbers and keeps the same winner, the least median, for
-all later calls of that kind. (The same idea as STAR-MPI: Faraj, Yuan and Lowenthal, "STAR-MPI:
-self tuned adaptive routines for MPI collective operations", ICS 2006.)
+best, in blocks of two calls: the first settles in, the second is timed on every rank, `trials`
+timed calls per candidate. (A call's time includes waiting for the ranks the previous call left
+behind: timed right after a call of its own, a candidate pays for the stagger it leaves itself, as
+it will in a stream of calls - DDP's buckets, FSDP's layers - and not for another candidate's.)
+Then one small all-reduce adds up the ranks' times call by call, so every rank holds the same
+numbers and keeps the same winner, the least median, for all later calls of that kind. (The same
+idea as STAR-MPI: Faraj, Yuan and Lowenthal, "STAR-MPI: self tuned adaptive routines for MPI
+collective operations", ICS 2006.)
 
 Every trial call is a complete, correct collective; only its speed varies. Every rank goes through
 the same calls in the same order, so they all reach each trial and the agreement at the same call.
@@ -36,6 +38,9 @@ DEFAULT_TRIALS = 5
 # overhead 0.14-0.44 ms) the benchmark's winner at every size was predicted within 1.6x of the
 # predicted best; what is predicted at more than twice the best (the ring below 64 KiB) is left out.
 TRIAL_FACTOR = 2.0
+
+# Each candidate runs in blocks of this many calls and only the last is timed (see above).
+BLOCK_CALLS = 2
 
 
 def trials_from_env() -> int:
@@ -80,25 +85,27 @@ class Trials:
             self.winner = self.candidates[0]
 
     def next_candidate(self) -> str:
-        """The candidate the next trial call runs: they take turns, so load drift hits all alike."""
-        return self.candidates[self.calls % len(self.candidates)]
+        """The candidate the next trial call runs: blocks take turns, so load drift hits all alike."""
+        return self.candidates[self.calls // BLOCK_CALLS % len(self.candidates)]
 
     def record(self, algorithm: str, seconds: float) -> None:
-        self.seconds.setdefault(algorithm, []).append(seconds)
+        """Count a trial call; its time is kept if it is the last of its block."""
         self.calls += 1
+        if self.calls % BLOCK_CALLS == 0:
+            self.seconds.setdefault(algorithm, []).append(seconds)
 
     def ready_to_agree(self) -> bool:
-        return self.winner is None and self.calls >= self.per_candidate * len(self.candidates)
+        return self.winner is None and self.calls >= BLOCK_CALLS * self.per_candidate * len(self.candidates)
 
     def local_seconds(self) -> list[float]:
-        """This rank's time of every trial call, candidate after candidate (what the ranks combine)."""
+        """This rank's timed trial calls, candidate after candidate (what the ranks add up)."""
         return [s for a in self.candidates for s in self.seconds[a][: self.per_candidate]]
 
-    def agree(self, fastest_rank_seconds: list[float]) -> str:
-        """Keep the candidate with the least median; the input is local_seconds() at its MIN over
-        the ranks, identical on every rank, so every rank keeps the same one."""
+    def agree(self, summed_seconds: list[float]) -> str:
+        """Keep the candidate with the least median; the input is local_seconds() summed over the
+        ranks, identical on every rank, so every rank keeps the same one."""
         k = self.per_candidate
-        chunks = [fastest_rank_seconds[i * k : (i + 1) * k] for i in range(len(self.candidates))]
+        chunks = [summed_seconds[i * k : (i + 1) * k] for i in range(len(self.candidates))]
         medians = [statistics.median(chunk) for chunk in chunks]
         best = min(range(len(self.candidates)), key=lambda i: (medians[i], i))
         self.winner = self.candidates[best]
