@@ -58,8 +58,10 @@ def _bus_factor(op: str, n: int) -> float:
 
 
 def _iterations(nbytes: int) -> int:
-    """Calls per timed batch: enough that a batch of small calls lasts a few milliseconds."""
-    return max(1, min(50, (8 << 20) // max(nbytes, 1)))
+    """Calls per timed batch, back to back as nccl-tests times its iterations: enough that a batch
+    of small calls lasts a few milliseconds, and at least 4, so that a large size's sample times a
+    stream of calls (as DDP's buckets are) rather than one call that starts right after a barrier."""
+    return max(4, min(50, (8 << 20) // max(nbytes, 1)))
 
 
 def _call(impl: str, op: str, buf: Any, big: Any, small: Any) -> None:
@@ -87,7 +89,7 @@ def _rank_main(rank: int, n: int, store: str, config: dict[str, Any], out: Any) 
     import torch.distributed as dist
 
     from dtjob.trainer import collectives as C
-    from dtjob.trainer.collectives.tuning import trials_from_env
+    from dtjob.trainer.collectives.tuning import BLOCK_CALLS, trials_from_env
 
     torch.set_num_threads(1)  # n ranks share the machine's cores; gloo reduces single-threaded too
     dist.init_process_group(
@@ -112,7 +114,8 @@ def _rank_main(rank: int, n: int, store: str, config: dict[str, Any], out: Any) 
                 # One warm-up call each; auto gets enough to calibrate and finish its trials of
                 # every candidate (tuning.py), so the table shows what it settled on, as
                 # nccl-tests' warm-up iterations keep start-up out of its numbers.
-                warm_ups = 1 + trials_from_env() * len(C.ALGORITHMS[op]) if impl == "auto" else 1
+                trial_calls = BLOCK_CALLS * trials_from_env() * len(C.ALGORITHMS[op])
+                warm_ups = 1 + trial_calls if impl == "auto" else 1
                 for _ in range(warm_ups):
                     _call(impl, op, buf, big, small)
             for _ in range(config["runs"]):
