@@ -34,9 +34,10 @@ TRIALS_ENV_VAR = "DTJOB_COLLECTIVE_TRIALS"
 DEFAULT_TRIALS = 5
 
 # Candidates are the algorithms predicted within this factor of the model's best. Under each of
-# the three calibrations in bench/results/allreduce_world4_repeats.txt (alpha 0.48-0.83 ms,
-# overhead 0.14-0.44 ms) the benchmark's winner at every size was predicted within 1.6x of the
-# predicted best; what is predicted at more than twice the best (the ring below 64 KiB) is left out.
+# the five calibrations in bench/results/allreduce_world4_repeats.txt (alpha 0.51-1.24 ms,
+# overhead 0.34-0.50 ms), the algorithm that won the benchmark from 1 MiB up (direct or the ring)
+# was a candidate, predicted within 1.5x of the best; the ring at 4 KiB, predicted at more than
+# twice the best, is left out.
 TRIAL_FACTOR = 2.0
 
 # Each candidate runs in blocks of this many calls and only the last is timed (see above).
