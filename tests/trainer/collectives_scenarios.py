@@ -397,6 +397,10 @@ def errors_and_layouts(rank: int, n: int, arg: Any) -> dict[str, Any]:
     expect(ValueError, "src", lambda: C.broadcast(torch.ones(3), n + 5))
     os.environ["DTJOB_COLLECTIVE_ALGO"] = "allreduce:bogus"
     expect(ValueError, "DTJOB_COLLECTIVE_ALGO", lambda: C.all_reduce(torch.ones(3)))
+    os.environ["DTJOB_COLLECTIVE_ALGO"] = ""
+    os.environ["DTJOB_COLLECTIVE_TRIALS"] = "some"
+    expect(ValueError, "DTJOB_COLLECTIVE_TRIALS='some'", lambda: C.all_reduce(torch.ones(3), async_op=True))
+    del os.environ["DTJOB_COLLECTIVE_TRIALS"]
     # The override is honoured (and an explicit keyword beats it).
     os.environ["DTJOB_COLLECTIVE_ALGO"] = "allreduce:hd;broadcast:tree"
     C.all_reduce(torch.ones(8))

@@ -76,9 +76,14 @@ def _check_pair(name: str, output: torch.Tensor, input: torch.Tensor) -> None:
 
 
 def _algorithm(op: str, algorithm: str) -> str:
+    """The keyword, or the environment's override of "auto"; bad settings raise here, before any
+    message is sent (in the job, a rank that raised would leave its peers waiting)."""
     selection.validate_keyword(op, algorithm)
     if algorithm == "auto":
-        return selection.env_override(op) or "auto"
+        choice = selection.env_override(op) or "auto"
+        if choice == "auto":
+            tuning.trials_from_env()
+        return choice
     return algorithm
 
 
