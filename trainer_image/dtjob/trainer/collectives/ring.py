@@ -162,9 +162,9 @@ def all_reduce(comm: Comm, buf: torch.Tensor, reduction: Reduction) -> None:
         return
     # On gloo the all-gather's receives go up before the first send, so a neighbour that finishes
     # its reduce-scatter first finds them posted: a send that beats its receive waits a round trip
-    # of gloo's ready-notifications. Measured (4 ranks, two runs, paired with the ring that posted
-    # them at the all-gather's start): 1.24-1.5x as fast at 1 MiB, 1.05-1.07x at 4 MiB, 1.04-1.12x
-    # at 16 MiB, 1.03x at 64 MiB.
+    # of gloo's ready-notifications. Measured (4 ranks, paired with the ring that posted them at
+    # the all-gather's start; two runs): 1.24-1.5x as fast at 1 MiB, 1.05-1.07x at 4 MiB,
+    # 1.04-1.12x at 16 MiB (and 1.03x at 64 MiB, in one of them).
     # It is safe: the gather message into chunk c comes from c's owner once it has reduced c, which
     # needs our reduce-scatter send of c to have arrived; we never touch c in the reduce-scatter
     # after that send.
