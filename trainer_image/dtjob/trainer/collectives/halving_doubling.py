@@ -118,7 +118,8 @@ def _run(comm: Comm, phases: list[_Phase]) -> None:
 
 
 def halving_steps(comm: Comm, fold: Fold, vrank: int, buf: torch.Tensor, vbounds: list[int]) -> list[_Step]:
-    """Recursive halving among the virtual ranks; afterwards block `vrank` holds the reduction."""
+    """The exchanges of recursive halving among the virtual ranks: run with the reduction, they
+    leave block `vrank` holding it."""
     regions = []
     lo, hi = 0, fold.p
     mask = fold.p // 2
@@ -146,7 +147,8 @@ def halving_steps(comm: Comm, fold: Fold, vrank: int, buf: torch.Tensor, vbounds
 
 
 def doubling_steps(fold: Fold, vrank: int, buf: torch.Tensor, vbounds: list[int]) -> list[_Step]:
-    """Recursive doubling among the virtual ranks; block `vrank` valid before, all blocks after."""
+    """The exchanges of recursive doubling among the virtual ranks: block `vrank` valid before they
+    run, every block after."""
     steps = []
     mask = 1
     while mask < fold.p:
