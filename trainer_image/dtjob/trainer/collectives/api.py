@@ -95,13 +95,13 @@ def _auto(op: str, runner: GroupRunner, comm: Comm, vector: torch.Tensor) -> tup
     """
     nbytes = vector.numel() * vector.element_size()
     dtype_name = str(vector.dtype).removeprefix("torch.")
-    model = cost_model(runner, comm)
-    per_candidate = tuning.trials_from_env()
-    if per_candidate == 0:
-        return selection.choose(op, nbytes, comm.size, dtype_name, model), None
     kind = tuning.call_kind(op, nbytes, dtype_name)
     trials = runner.trials.get(kind)
-    if trials is None:
+    if trials is None:  # a new kind (or trials off): ask the model
+        model = cost_model(runner, comm)
+        per_candidate = tuning.trials_from_env()
+        if per_candidate == 0:
+            return selection.choose(op, nbytes, comm.size, dtype_name, model), None
         found = tuning.candidates(op, nbytes, comm.size, dtype_name, model)
         trials = runner.trials[kind] = tuning.Trials(found, per_candidate)
     if trials.ready_to_agree():  # the same call on every rank: all counted the same trials

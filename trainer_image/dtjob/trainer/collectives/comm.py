@@ -38,18 +38,26 @@ def segments_for(nbytes: float, fixed_segment_bytes: int | None = None) -> int:
     return max(1, min(SEGMENTS_PER_REGION, math.ceil(nbytes / MIN_SEGMENT_BYTES)))
 
 
-def segment_bytes_from_env() -> int | None:
-    """DTJOB_COLLECTIVE_SEGMENT_BYTES (a fixed segment size, like NCCL_BUFFSIZE), or None for the policy."""
-    text = os.environ.get(SEGMENT_ENV_VAR)
+def whole_number_from_env(name: str, minimum: int, expected: str) -> int | None:
+    """The environment variable `name` as a whole number >= `minimum`, or None when unset or empty.
+
+    Anything else raises a ValueError naming the variable, its value and `expected`.
+    """
+    text = os.environ.get(name)
     if not text:
         return None
     try:
         value = int(text)
     except ValueError:
-        value = 0
-    if value < 1024:
-        raise ValueError(f"{SEGMENT_ENV_VAR}={text!r}: expected a whole number of bytes >= 1024")
+        value = minimum - 1
+    if value < minimum:
+        raise ValueError(f"{name}={text!r}: expected {expected}")
     return value
+
+
+def segment_bytes_from_env() -> int | None:
+    """DTJOB_COLLECTIVE_SEGMENT_BYTES (a fixed segment size, like NCCL_BUFFSIZE), or None for the policy."""
+    return whole_number_from_env(SEGMENT_ENV_VAR, 1024, "a whole number of bytes >= 1024")
 
 
 def balanced_bounds(numel: int, parts: int) -> list[int]:

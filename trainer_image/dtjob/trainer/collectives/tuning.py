@@ -21,10 +21,10 @@ What this module holds is plain bookkeeping; the agreement's all-reduce is run b
 
 from __future__ import annotations
 
-import os
 import statistics
 from dataclasses import dataclass, field
 
+from dtjob.trainer.collectives.comm import whole_number_from_env
 from dtjob.trainer.collectives.selection import ALGORITHMS, CostModel, predict
 
 TRIALS_ENV_VAR = "DTJOB_COLLECTIVE_TRIALS"
@@ -46,16 +46,8 @@ BLOCK_CALLS = 2
 
 def trials_from_env() -> int:
     """DTJOB_COLLECTIVE_TRIALS: timed calls per candidate (0 = trust the cost model alone)."""
-    text = os.environ.get(TRIALS_ENV_VAR)
-    if not text:
-        return DEFAULT_TRIALS
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise ValueError(f"{TRIALS_ENV_VAR}={text!r}: expected a whole number >= 0 (0 turns trials off)")
-    return value
+    value = whole_number_from_env(TRIALS_ENV_VAR, 0, "a whole number >= 0 (0 turns trials off)")
+    return DEFAULT_TRIALS if value is None else value
 
 
 def candidates(op: str, nbytes: int, world_size: int, dtype_name: str, model: CostModel) -> tuple[str, ...]:
