@@ -30,6 +30,8 @@ SEGMENTS_PER_REGION = 2
 MIN_SEGMENT_BYTES = 4 << 20
 SEGMENT_ENV_VAR = "DTJOB_COLLECTIVE_SEGMENT_BYTES"
 
+Works = list[dist.Work]  # what posting returns: one work per message (none for an empty tensor)
+
 
 def segments_for(nbytes: float, fixed_segment_bytes: int | None = None) -> int:
     """How many segments a region of `nbytes` is cut into (at least one)."""
@@ -127,11 +129,19 @@ class Comm:
                 self._coalescing = False
         return self._coalescing
 
+    def send(self, tensor: torch.Tensor, peer: int) -> Works:
+        """Post one send at once; only where receives may be preposted (gloo, see can_prepost)."""
+        return [self.group.send([tensor], peer, self.tag)] if tensor.numel() else []
+
+    def recv(self, tensor: torch.Tensor, peer: int) -> Works:
+        """Post one receive at once; only where receives may be preposted (gloo, see can_prepost)."""
+        return [self.group.recv([tensor], peer, self.tag)] if tensor.numel() else []
+
     def post(
         self,
         sends: Sequence[tuple[torch.Tensor, int]] = (),
         recvs: Sequence[tuple[torch.Tensor, int]] = (),
-    ) -> tuple[list[dist.Work], list[dist.Work]]:
+    ) -> tuple[Works, Works]:
         """Start sends and receives (group ranks as peers); empty tensors are skipped on both ends.
 
         Returns (send works, receive works), in the order given, empty ones left out.

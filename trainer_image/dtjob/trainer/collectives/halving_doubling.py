@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dtjob.trainer.collectives.comm import Comm, balanced_bounds, wait_all
+from dtjob.trainer.collectives.comm import Comm, Works, balanced_bounds, segments_for, wait_all
 from dtjob.trainer.collectives.reduce_ops import Reduction
 
 
@@ -56,109 +56,140 @@ class Fold:
         return [bounds[self.first_real(v)] for v in range(self.p)] + [bounds[self.n]]
 
 
-class _Step:
-    """One exchange with `peer`: send `send`, receive into `target` (reduced into `recv` if a scratch)."""
+@dataclass(frozen=True)
+class _Exchange:
+    """One step with `peer`, cut into segments (offsets into the call's vector): send `sends`,
+    receive into `targets`. With `reduce_into` the targets are scratch offsets whose contents are
+    reduced into those regions of the vector; without it they are the vector's own."""
 
-    def __init__(self, peer: int, send: torch.Tensor, recv: torch.Tensor, target: torch.Tensor) -> None:
-        self.peer, self.send, self.recv, self.target = peer, send, recv, target
-
-
-@dataclass
-class _Phase:
-    """Exchanges that run in order, reducing what arrives with `reduction` (None: just receive);
-    `then` runs when the phase is done (the all-reduce finishes its block there, e.g. AVG's divide)."""
-
-    steps: list[_Step]
-    reduction: Reduction | None = None
-    then: Callable[[], None] = lambda: None
+    peer: int
+    sends: tuple[tuple[int, int], ...]
+    targets: tuple[tuple[int, int], ...]
+    reduce_into: tuple[tuple[int, int], ...] | None = None
 
 
-def _run(comm: Comm, phases: list[_Phase]) -> None:
-    """Run the phases' exchanges in order, segment by segment, reducing where a phase says so.
-
-    Both ends cut their send and receive regions into the same number of segments, so segment j of
-    one side's send is segment j of the other's receive; segment j is reduced while segment j+1 is
-    still in flight. On gloo every receive of every phase is posted before the first send (each
-    step has its own target area), so no send waits for its receiver to catch up. For the
-    all-reduce that includes the all-gather's receives, which is safe: the partner of a doubling
-    step sends back the very blocks we gave it in the halving step of the same mask, and only
-    after it received them; we never touch those blocks again in between. Measured (4 ranks, one
-    run paired with the all-reduce that posted them at the all-gather's start): 1.26x as fast at
-    64 KiB, 1.21x at 1 MiB, on par at 4 MiB, 1.03x at 16 MiB.
-    """
-    steps = [step for phase in phases for step in phase.steps]
-    prepost = bool(steps) and comm.can_prepost(steps[0].send.device)
-    plans = []
-    for step in steps:
-        k = comm.segments(max(step.send.numel(), step.recv.numel()), step.send.element_size())
-        plans.append((balanced_bounds(step.send.numel(), k), balanced_bounds(step.recv.numel(), k)))
-    recvs: dict[tuple[int, int], list[torch.distributed.Work]] = {}
-    if prepost:
-        for t, (step, (_, r_b)) in enumerate(zip(steps, plans, strict=True)):
-            for j in range(len(r_b) - 1):
-                recvs[t, j] = comm.post(recvs=[(step.target[r_b[j] : r_b[j + 1]], step.peer)])[1]
-    sends: list[torch.distributed.Work] = []
-    t = 0
-    for phase in phases:
-        for step in phase.steps:
-            s_b, r_b = plans[t]
-            for j in range(len(s_b) - 1):
-                own = [] if prepost else [(step.target[r_b[j] : r_b[j + 1]], step.peer)]
-                sw, rw = comm.post(sends=[(step.send[s_b[j] : s_b[j + 1]], step.peer)], recvs=own)
-                sends += sw
-                if not prepost:
-                    recvs[t, j] = rw
-            for j in range(len(r_b) - 1):
-                wait_all(recvs.pop((t, j)))
-                if phase.reduction is not None:
-                    phase.reduction.combine(step.recv[r_b[j] : r_b[j + 1]], step.target[r_b[j] : r_b[j + 1]])
-            t += 1
-        phase.then()
-    wait_all(sends)
+Phase = tuple[_Exchange, ...]
 
 
-def halving_steps(comm: Comm, fold: Fold, vrank: int, buf: torch.Tensor, vbounds: list[int]) -> list[_Step]:
-    """The exchanges of recursive halving among the virtual ranks: run with the reduction, they
-    leave block `vrank` holding it."""
-    regions = []
+def _cut(lo: int, hi: int, k: int) -> tuple[tuple[int, int], ...]:
+    b = balanced_bounds(hi - lo, k)
+    return tuple((lo + b[j], lo + b[j + 1]) for j in range(k))
+
+
+def halving(
+    fold: Fold, vrank: int, vbounds: tuple[int, ...], element_size: int, segment_bytes: int | None
+) -> tuple[Phase, int]:
+    """Recursive halving among the virtual ranks, and the scratch it needs (elements): run with a
+    reduction, it leaves block `vrank` holding the result."""
+    steps = []
     lo, hi = 0, fold.p
     mask = fold.p // 2
+    offset = 0  # each step receives into its own scratch area (sizes halve: all fit in one vector)
     while mask >= 1:
         mid = lo + mask
         keep, give = ((mid, hi), (lo, mid)) if vrank & mask else ((lo, mid), (mid, hi))
-        regions.append((fold.real(vrank ^ mask), give, keep))
+        send = (vbounds[give[0]], vbounds[give[1]])
+        recv = (vbounds[keep[0]], vbounds[keep[1]])
+        size = recv[1] - recv[0]
+        k = segments_for(max(send[1] - send[0], size) * element_size, segment_bytes)
+        targets = _cut(offset, offset + size, k)
+        steps.append(_Exchange(fold.real(vrank ^ mask), _cut(*send, k), targets, _cut(*recv, k)))
+        offset += size
         lo, hi = keep
         mask //= 2
-    # Each step receives into its own scratch area (sizes halve: all of them fit in one vector).
-    sizes = [vbounds[keep[1]] - vbounds[keep[0]] for _, _, keep in regions]
-    scratch = comm.scratch(0, sum(sizes), buf)
-    steps, offset = [], 0
-    for (peer, give, keep), size in zip(regions, sizes, strict=True):
-        steps.append(
-            _Step(
-                peer,
-                buf[vbounds[give[0]] : vbounds[give[1]]],
-                buf[vbounds[keep[0]] : vbounds[keep[1]]],
-                scratch[offset : offset + size],
-            )
-        )
-        offset += size
-    return steps
+    return tuple(steps), offset
 
 
-def doubling_steps(fold: Fold, vrank: int, buf: torch.Tensor, vbounds: list[int]) -> list[_Step]:
-    """The exchanges of recursive doubling among the virtual ranks: block `vrank` valid before they
-    run, every block after."""
+def doubling(
+    fold: Fold, vrank: int, vbounds: tuple[int, ...], element_size: int, segment_bytes: int | None
+) -> Phase:
+    """Recursive doubling among the virtual ranks: block `vrank` valid before, every block after."""
     steps = []
     mask = 1
     while mask < fold.p:
         partner = vrank ^ mask
         mine = (vrank // mask) * mask
         theirs = (partner // mask) * mask
-        recv = buf[vbounds[theirs] : vbounds[theirs + mask]]
-        steps.append(_Step(fold.real(partner), buf[vbounds[mine] : vbounds[mine + mask]], recv, recv))
+        send = (vbounds[mine], vbounds[mine + mask])
+        recv = (vbounds[theirs], vbounds[theirs + mask])
+        k = segments_for(max(send[1] - send[0], recv[1] - recv[0]) * element_size, segment_bytes)
+        steps.append(_Exchange(fold.real(partner), _cut(*send, k), _cut(*recv, k)))
         mask *= 2
-    return steps
+    return tuple(steps)
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(
+    vbounds: tuple[int, ...], n: int, rank: int, element_size: int, segment_bytes: int | None
+) -> tuple[Phase, int, Phase]:
+    """The halving phase, its scratch size and the doubling phase of rank `rank` of n, for the
+    virtual ranks' block offsets `vbounds`. Made once per layout: working the offsets out on every
+    call cost ~300 interpreter calls per 4-rank all-reduce, on the critical path (see ring._Layout)."""
+    fold = Fold(n)
+    vrank = fold.virtual(rank)
+    assert vrank is not None, "ranks that sit out take no part in the power-of-two phases"
+    halves, scratch = halving(fold, vrank, vbounds, element_size, segment_bytes)
+    return halves, scratch, doubling(fold, vrank, vbounds, element_size, segment_bytes)
+
+
+def _plan_of(comm: Comm, buf: torch.Tensor, vbounds: list[int]) -> tuple[Phase, int, Phase]:
+    return _plan(tuple(vbounds), comm.size, comm.rank, buf.element_size(), comm.segment_bytes)
+
+
+def _run(
+    comm: Comm,
+    buf: torch.Tensor,
+    phases: list[Phase],
+    reduction: Reduction | None = None,
+    scratch_size: int = 0,
+    then: Callable[[], None] = lambda: None,
+) -> None:
+    """Run the phases' exchanges in order, segment by segment; `then` runs after the first phase.
+
+    Exchanges with `reduce_into` receive into scratch and reduce with `reduction`. Both ends cut
+    their send and receive regions into the same number of segments, so segment j of one side's
+    send is segment j of the other's receive; segment j is reduced while segment j+1 is still in
+    flight. On gloo every receive of every phase is posted before the first send (each step has
+    its own target area), so no send waits for its receiver to catch up. For the all-reduce that
+    includes the all-gather's receives, which is safe: the partner of a doubling step sends back
+    the very blocks we gave it in the halving step of the same mask, and only after it received
+    them; we never touch those blocks again in between. Measured (4 ranks, one run paired with the
+    all-reduce that posted them at the all-gather's start): 1.26x as fast at 64 KiB, 1.21x at
+    1 MiB, on par at 4 MiB, 1.03x at 16 MiB.
+    """
+    scratch = comm.scratch(0, scratch_size, buf) if scratch_size else buf
+
+    def target(ex: _Exchange, lo: int, hi: int) -> torch.Tensor:
+        return (buf if ex.reduce_into is None else scratch)[lo:hi]
+
+    exchanges = [ex for phase in phases for ex in phase]
+    prepost = comm.can_prepost(buf.device)
+    recvs: dict[tuple[int, int], Works] = {}
+    if prepost:
+        for t, ex in enumerate(exchanges):
+            for j, (lo, hi) in enumerate(ex.targets):
+                recvs[t, j] = comm.recv(target(ex, lo, hi), ex.peer)
+    sends: Works = []
+    t = 0
+    for number, phase in enumerate(phases):
+        for ex in phase:
+            for j, (lo, hi) in enumerate(ex.sends):
+                if prepost:
+                    sends += comm.send(buf[lo:hi], ex.peer)
+                    continue
+                own = [(target(ex, *ex.targets[j]), ex.peer)]
+                sw, recvs[t, j] = comm.post(sends=[(buf[lo:hi], ex.peer)], recvs=own)
+                sends += sw
+            for j, (lo, hi) in enumerate(ex.targets):
+                wait_all(recvs.pop((t, j)))
+                if ex.reduce_into is not None:
+                    assert reduction is not None
+                    a, b = ex.reduce_into[j]
+                    reduction.combine(buf[a:b], scratch[lo:hi])
+            t += 1
+        if number == 0:
+            then()
+    wait_all(sends)
 
 
 def _fold_in(comm: Comm, fold: Fold, buf: torch.Tensor, reduction: Reduction) -> int | None:
@@ -210,7 +241,8 @@ def reduce_scatter(comm: Comm, buf: torch.Tensor, bounds: list[int], reduction: 
     vrank = _fold_in(comm, fold, buf, reduction)
     if vrank is not None:
         vbounds = fold.block_bounds(bounds)
-        _run(comm, [_Phase(halving_steps(comm, fold, vrank, buf, vbounds), reduction)])
+        halves, scratch_size, _ = _plan_of(comm, buf, vbounds)
+        _run(comm, buf, [halves], reduction, scratch_size)
         reduction.finish(buf[vbounds[vrank] : vbounds[vrank + 1]], comm.size)
     # An odd rank 2i+1 (i < e) owns chunks 2i and 2i+1; chunk 2i goes back to rank 2i.
     mate = comm.rank - 1 if comm.rank % 2 == 1 else comm.rank
@@ -230,7 +262,7 @@ def all_gather(comm: Comm, buf: torch.Tensor, bounds: list[int]) -> None:
         else:
             wait_all(comm.post(recvs=[(chunk, r - 1)])[1])
     if vrank is not None:
-        _run(comm, [_Phase(doubling_steps(fold, vrank, buf, fold.block_bounds(bounds)))])
+        _run(comm, buf, [_plan_of(comm, buf, fold.block_bounds(bounds))[2]])
     _unfold(comm, fold, None, buf)
 
 
@@ -240,10 +272,10 @@ def all_reduce(comm: Comm, buf: torch.Tensor, reduction: Reduction) -> None:
     vrank = _fold_in(comm, fold, buf, reduction)
     if vrank is not None:
         vbounds = balanced_bounds(buf.numel(), fold.p)
+        halves, scratch_size, doubles = _plan_of(comm, buf, vbounds)
         mine = buf[vbounds[vrank] : vbounds[vrank + 1]]
         finish = functools.partial(reduction.finish, mine, comm.size)
-        halving = _Phase(halving_steps(comm, fold, vrank, buf, vbounds), reduction, finish)
-        _run(comm, [halving, _Phase(doubling_steps(fold, vrank, buf, vbounds))])
+        _run(comm, buf, [halves, doubles], reduction, scratch_size, finish)
     _unfold(comm, fold, None, buf)
 
 
