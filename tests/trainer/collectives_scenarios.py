@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from dtjob.trainer import collectives as C
+from dtjob.trainer.collectives.comm import Comm
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64]
 REDUCE_OPS = [dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.MAX, dist.ReduceOp.MIN]
@@ -102,12 +103,14 @@ def _rounding_bound(
 
 
 def matrix(rank: int, n: int, arg: Any) -> dict[str, Any]:
-    """Every op x dtype x algorithm x length (x reduce op) against torch's gloo collectives."""
+    """Every op x dtype x algorithm x length (x reduce op) against torch's gloo collectives.
+
+    `arg`: the dtypes to run (default DTYPES)."""
     # 8 KiB segments: the large odd length is then cut into many unequal segments per chunk, which
     # exercises the pipelining (the default policy only cuts regions of 8 MiB and more).
     os.environ["DTJOB_COLLECTIVE_SEGMENT_BYTES"] = "8192"
     check = Checker()
-    for dtype in DTYPES:
+    for dtype in arg or DTYPES:
         dname = str(dtype).removeprefix("torch.")
         for length in lengths(n):
             # --- all_reduce and reduce_scatter_tensor, exact-valued and random inputs
@@ -186,6 +189,19 @@ def matrix(rank: int, n: int, arg: Any) -> dict[str, Any]:
                     check.digests[key] = digest(t)
                     check.same(key, t, want)
     return check.result()
+
+
+def _never_prepost(self: Comm, device: torch.device) -> bool:
+    return False
+
+
+def stream_ordered(rank: int, n: int, arg: Any) -> dict[str, Any]:
+    """The matrix in float32 and int64 with every receive posted along with its step's sends, the
+    order NCCL needs (Comm.can_prepost is False there), on gloo. That runs the algorithms' other
+    posting path: per-step receives, the ring's two alternating scratch areas. NCCL's batching of
+    each post into one group cannot run here (no GPU)."""
+    Comm.can_prepost = _never_prepost  # type: ignore[method-assign]
+    return matrix(rank, n, [torch.float32, torch.int64])
 
 
 def subgroup(rank: int, n: int, arg: Any) -> dict[str, Any]:

@@ -38,6 +38,14 @@ def test_every_op_dtype_algorithm_and_length_matches_torch(world_size: int) -> N
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 3, 4, 5, 8])
+def test_the_stream_ordered_posting_nccl_needs_matches_torch_too(world_size: int) -> None:
+    results = run_world(world_size, "stream_ordered")
+    _assert_clean(results)
+    _assert_same_bits_everywhere(results)
+
+
+@pytest.mark.slow
 def test_subgroups_of_six_ranks_run_side_by_side() -> None:
     results = run_world(6, "subgroup")
     _assert_clean(results)
