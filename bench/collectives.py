@@ -108,6 +108,7 @@ def _rank_main(rank: int, n: int, store: str, config: dict[str, Any], out: Any) 
             small = torch.ones(per_rank if op != "allreduce" else 0, dtype=dtype)
 
             iters = _iterations(nbytes)
+            chosen = None
             times: dict[str, list[float]] = {impl: [] for impl in config["impls"]}
             cpu_times: dict[str, list[float]] = {impl: [] for impl in config["impls"]}
             for impl in config["impls"]:
@@ -139,7 +140,8 @@ def _rank_main(rank: int, n: int, store: str, config: dict[str, Any], out: Any) 
                     dist.all_reduce(c)
                     times[impl].append(t.item())
                     cpu_times[impl].append(c.item())
-            chosen = C.last_algorithm(op)
+                    if impl == "auto":
+                        chosen = C.last_algorithm(op)
             if rank == 0:
                 nb = total * esize
                 for impl, samples in times.items():
