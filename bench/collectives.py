@@ -89,7 +89,7 @@ def _rank_main(rank: int, n: int, store: str, config: dict[str, Any], out: Any) 
     import torch.distributed as dist
 
     from dtjob.trainer import collectives as C
-    from dtjob.trainer.collectives.tuning import most_trial_calls, trials_from_env
+    from dtjob.trainer.collectives.tuning import BLOCK_CALLS, trials_from_env
 
     torch.set_num_threads(1)  # n ranks share the machine's cores; gloo reduces single-threaded too
     dist.init_process_group(
@@ -115,7 +115,7 @@ def _rank_main(rank: int, n: int, store: str, config: dict[str, Any], out: Any) 
                 # One warm-up call each; auto gets enough to calibrate and finish its trials of
                 # every candidate (tuning.py), so the table shows what it settled on, as
                 # nccl-tests' warm-up iterations keep start-up out of its numbers.
-                trial_calls = most_trial_calls(len(C.ALGORITHMS[op]), trials_from_env())
+                trial_calls = BLOCK_CALLS * trials_from_env() * len(C.ALGORITHMS[op])
                 warm_ups = 1 + trial_calls if impl == "auto" else 1
                 for _ in range(warm_ups):
                     _call(impl, op, buf, big, small)

@@ -10,11 +10,9 @@ timed calls per candidate. (A call's time includes waiting for the ranks the pre
 behind: timed right after a call of its own, a candidate pays for the stagger it leaves itself, as
 it will in a stream of calls - DDP's buckets, FSDP's layers - and not for another candidate's.)
 Then one small all-reduce adds up the ranks' times call by call, so every rank holds the same
-numbers. Candidates whose median is within RACE_MARGIN of the least race on: another round of
-`trials` timed calls each, judged on all their calls so far (at most MAX_RACES more rounds). The
-least median then wins, on every rank the same, for all later calls of that kind. (The same idea
-as STAR-MPI: Faraj, Yuan and Lowenthal, "STAR-MPI: self tuned adaptive routines for MPI collective
-operations", ICS 2006; the extra rounds for close calls are racing, as in irace.)
+numbers and keeps the same winner, the least median, for all later calls of that kind. (The same
+idea as STAR-MPI: Faraj, Yuan and Lowenthal, "STAR-MPI: self tuned adaptive routines for MPI
+collective operations", ICS 2006.)
 
 Every trial call is a complete, correct collective; only its speed varies. Every rank goes through
 the same calls in the same order, so they all reach each trial and the agreement at the same call.
@@ -45,15 +43,6 @@ TRIAL_FACTOR = 2.0
 # Each candidate runs in blocks of this many calls and only the last is timed (see above).
 BLOCK_CALLS = 2
 
-# Candidates within this factor of the least median race on for another round, at most MAX_RACES
-# times. Why: 5 single calls can misjudge neighbours. In the 9 world-4 benchmark runs that
-# recorded auto's choice (bench/results/allreduce_world4_repeats.txt, before races), the trials
-# twice kept an algorithm that then ran 12-14% slower than the ring in the same run: rd at 1 MiB
-# (run 4), hd at 16 MiB (run 5). A round costs per_candidate x BLOCK_CALLS calls per racer
-# (0.7 s for two at 16 MiB, 4 ranks).
-RACE_MARGIN = 1.10
-MAX_RACES = 2
-
 
 def trials_from_env() -> int:
     """DTJOB_COLLECTIVE_TRIALS: timed calls per candidate (0 = trust the cost model alone)."""
@@ -74,37 +63,23 @@ def call_kind(op: str, nbytes: int, dtype_name: str) -> tuple[str, str, int]:
     return op, dtype_name, nbytes.bit_length()
 
 
-def most_trial_calls(candidates: int, per_candidate: int) -> int:
-    """An upper bound on the calls a kind's trials take, races included."""
-    return BLOCK_CALLS * per_candidate * candidates * (1 + MAX_RACES)
-
-
 @dataclass
 class Trials:
     """One kind of call: its candidates, their timings so far, and the winner once agreed."""
 
     candidates: tuple[str, ...]
     per_candidate: int
-    seconds: dict[str, list[float]] = field(default_factory=dict)  # this rank's, this round
+    seconds: dict[str, list[float]] = field(default_factory=dict)
     winner: str | None = None
-    calls: int = 0  # this round's
-    rounds: list[tuple[str, ...]] = field(default_factory=list)  # who took turns, round by round
-    agreed: dict[str, list[float]] = field(default_factory=dict)  # the ranks' summed times so far
+    calls: int = 0
 
     def __post_init__(self) -> None:
         if len(self.candidates) == 1 or self.per_candidate == 0:
             self.winner = self.candidates[0]
-        else:
-            self.rounds.append(self.candidates)
-
-    @property
-    def racing(self) -> tuple[str, ...]:
-        """The candidates timed in the current round."""
-        return self.rounds[-1]
 
     def next_candidate(self) -> str:
         """The candidate the next trial call runs: blocks take turns, so load drift hits all alike."""
-        return self.racing[self.calls // BLOCK_CALLS % len(self.racing)]
+        return self.candidates[self.calls // BLOCK_CALLS % len(self.candidates)]
 
     def record(self, algorithm: str, seconds: float) -> None:
         """Count a trial call; its time is kept if it is the last of its block."""
@@ -113,26 +88,18 @@ class Trials:
             self.seconds.setdefault(algorithm, []).append(seconds)
 
     def ready_to_agree(self) -> bool:
-        return self.winner is None and self.calls >= BLOCK_CALLS * self.per_candidate * len(self.racing)
+        return self.winner is None and self.calls >= BLOCK_CALLS * self.per_candidate * len(self.candidates)
 
     def local_seconds(self) -> list[float]:
-        """This rank's timed calls of the round, candidate after candidate (what the ranks add up)."""
-        return [s for a in self.racing for s in self.seconds[a][: self.per_candidate]]
+        """This rank's timed trial calls, candidate after candidate (what the ranks add up)."""
+        return [s for a in self.candidates for s in self.seconds[a][: self.per_candidate]]
 
-    def agree(self, summed_seconds: list[float]) -> str | None:
-        """Judge the round: the input is local_seconds() summed over the ranks, identical on every
-        rank, so every rank makes the same decision. Returns the winner, or None while the close
-        candidates race on for another round."""
+    def agree(self, summed_seconds: list[float]) -> str:
+        """Keep the candidate with the least median; the input is local_seconds() summed over the
+        ranks, identical on every rank, so every rank keeps the same one."""
         k = self.per_candidate
-        for i, algorithm in enumerate(self.racing):
-            self.agreed.setdefault(algorithm, []).extend(summed_seconds[i * k : (i + 1) * k])
-        medians = {a: statistics.median(self.agreed[a]) for a in self.racing}
-        order = self.candidates.index  # ties go to the model's order
-        best = min(self.racing, key=lambda a: (medians[a], order(a)))
-        close = tuple(a for a in self.racing if medians[a] <= RACE_MARGIN * medians[best])
-        self.seconds, self.calls = {}, 0
-        if len(close) > 1 and len(self.rounds) <= MAX_RACES:
-            self.rounds.append(close)
-            return None
-        self.winner = best
-        return best
+        chunks = [summed_seconds[i * k : (i + 1) * k] for i in range(len(self.candidates))]
+        medians = [statistics.median(chunk) for chunk in chunks]
+        best = min(range(len(self.candidates)), key=lambda i: (medians[i], i))
+        self.winner = self.candidates[best]
+        return self.winner
