@@ -122,8 +122,8 @@ def _rank_main(rank: int, n: int, store: str, config: dict[str, Any], out: Any) 
             impls = list(config["impls"])
             for run in range(config["runs"]):
                 # The order rotates from run to run: an implementation's time depends on its place
-                # in the round (measured: the same ring at 16 MiB, 4 ranks, was 0.96x native timed
-                # second of three and 1.02x timed third; another ring 1.02x and 0.95x).
+                # in the round (measured at 16 MiB, 4 ranks: one ring was 0.96x native timed second
+                # of three and 1.02x timed third; an older ring 0.95x second and 1.02x third).
                 for impl in impls[run % len(impls) :] + impls[: run % len(impls)]:
                     dist.barrier()
                     start, cpu_start = time.perf_counter(), time.process_time()
