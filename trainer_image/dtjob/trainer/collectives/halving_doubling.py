@@ -76,6 +76,13 @@ def _cut(lo: int, hi: int, k: int) -> tuple[tuple[int, int], ...]:
     return tuple((lo + b[j], lo + b[j + 1]) for j in range(k))
 
 
+def _segments(
+    send: tuple[int, int], recv: tuple[int, int], element_size: int, segment_bytes: int | None
+) -> int:
+    """Segments of one exchange: both ends count them from the larger of its two regions."""
+    return segments_for(max(send[1] - send[0], recv[1] - recv[0]) * element_size, segment_bytes)
+
+
 def halving(
     fold: Fold, vrank: int, vbounds: tuple[int, ...], element_size: int, segment_bytes: int | None
 ) -> tuple[Phase, int]:
@@ -91,7 +98,7 @@ def halving(
         send = (vbounds[give[0]], vbounds[give[1]])
         recv = (vbounds[keep[0]], vbounds[keep[1]])
         size = recv[1] - recv[0]
-        k = segments_for(max(send[1] - send[0], size) * element_size, segment_bytes)
+        k = _segments(send, recv, element_size, segment_bytes)
         targets = _cut(offset, offset + size, k)
         steps.append(_Exchange(fold.real(vrank ^ mask), _cut(*send, k), targets, _cut(*recv, k)))
         offset += size
@@ -112,7 +119,7 @@ def doubling(
         theirs = (partner // mask) * mask
         send = (vbounds[mine], vbounds[mine + mask])
         recv = (vbounds[theirs], vbounds[theirs + mask])
-        k = segments_for(max(send[1] - send[0], recv[1] - recv[0]) * element_size, segment_bytes)
+        k = _segments(send, recv, element_size, segment_bytes)
         steps.append(_Exchange(fold.real(partner), _cut(*send, k), _cut(*recv, k)))
         mask *= 2
     return tuple(steps)

@@ -83,6 +83,24 @@ def _layout_of(comm: Comm, buf: torch.Tensor, bounds: list[int]) -> _Layout:
 Posted = dict[tuple[int, int], Works]  # (step, segment) -> its receive
 
 
+def _forward(
+    comm: Comm,
+    segment: torch.Tensor,
+    sends: Works,
+    recvs: Posted,
+    key: tuple[int, int],
+    into: torch.Tensor | None,
+) -> None:
+    """Send `segment` to the next rank. `into`: where the receive `key` goes when receives are
+    posted step by step (NCCL), posted with this send; None when they were all posted up front."""
+    nxt, prv = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+    if into is None:
+        sends.extend(comm.send(segment, nxt))
+        return
+    sw, recvs[key] = comm.post(sends=[(segment, nxt)], recvs=[(into, prv)])
+    sends.extend(sw)
+
+
 def _reduce(
     comm: Comm,
     buf: torch.Tensor,
@@ -96,7 +114,7 @@ def _reduce(
     `gather`: filled with the all-gather's receives, posted after ours and before the first send.
     """
     n, r = comm.size, comm.rank
-    nxt, prv = (r + 1) % n, (r - 1) % n
+    prv = (r - 1) % n
     steps = n - 1
     prepost = comm.can_prepost(buf.device)
     # Receive areas: one per step when all receives are posted up front, else two alternating.
@@ -113,23 +131,18 @@ def _reduce(
         gather.update(_post_gather_recvs(comm, segs, lay))
     sends: Works = []
 
-    def forward(step: int, j: int, i: int) -> None:
-        """Send segment i as the j-th of `step`; when not preposted, post that step's receive j."""
-        if prepost:
-            sends.extend(comm.send(segs[i], nxt))
-            return
-        sw, recvs[step, j] = comm.post(sends=[(segs[i], nxt)], recvs=[(incoming[step][j], prv)])
-        sends.extend(sw)
+    def into(step: int, j: int) -> torch.Tensor | None:
+        return None if prepost else incoming[step][j]
 
     for j, i in enumerate(lay.reduce_first):
-        forward(0, j, i)
+        _forward(comm, segs[i], sends, recvs, (0, j), into(0, j))
     combine = reduction.combine
     for s, chunk in enumerate(lay.reduce_steps):
         for j, i in enumerate(chunk):
             wait_all(recvs.pop((s, j)))
             combine(segs[i], incoming[s][j])
             if s + 1 < steps:  # forward the freshly reduced segment
-                forward(s + 1, j, i)
+                _forward(comm, segs[i], sends, recvs, (s + 1, j), into(s + 1, j))
     return sends
 
 
@@ -152,9 +165,7 @@ def _gather(
     comm: Comm, segs: tuple[torch.Tensor, ...], lay: _Layout, posted: Posted | None, sends: Works
 ) -> None:
     """The all-gather's steps; `posted`: its receives if already up, `sends`: earlier sends to await."""
-    n, r = comm.size, comm.rank
-    nxt, prv = (r + 1) % n, (r - 1) % n
-    steps = n - 1
+    steps = comm.size - 1
     prepost = comm.can_prepost(segs[0].device)
     recvs: Posted = {}
     if posted is not None:
@@ -162,21 +173,16 @@ def _gather(
     elif prepost:
         recvs = _post_gather_recvs(comm, segs, lay)
 
-    def forward(step: int, j: int, i: int) -> None:
-        """Send segment i as the j-th of `step`; when not preposted, post that step's receive j."""
-        if prepost:
-            sends.extend(comm.send(segs[i], nxt))
-            return
-        sw, recvs[step, j] = comm.post(sends=[(segs[i], nxt)], recvs=[(segs[lay.gather_steps[step][j]], prv)])
-        sends.extend(sw)
+    def into(step: int, j: int) -> torch.Tensor | None:
+        return None if prepost else segs[lay.gather_steps[step][j]]
 
     for j, i in enumerate(lay.gather_first):
-        forward(0, j, i)
+        _forward(comm, segs[i], sends, recvs, (0, j), into(0, j))
     for s, chunk in enumerate(lay.gather_steps):
         for j, i in enumerate(chunk):
             wait_all(recvs.pop((s, j)))
             if s + 1 < steps:
-                forward(s + 1, j, i)
+                _forward(comm, segs[i], sends, recvs, (s + 1, j), into(s + 1, j))
     wait_all(sends)
 
 
