@@ -137,6 +137,11 @@ class Comm:
         """Post one receive at once; only where receives may be preposted (gloo, see can_prepost)."""
         return [self.group.recv([tensor], peer, self.tag)] if tensor.numel() else []
 
+    def recv_each(self, tensors: Sequence[torch.Tensor], peer: int) -> list[dist.Work | None]:
+        """Post a receive into each tensor at once (gloo only, see can_prepost); None for an empty one."""
+        recv, tag = self.group.recv, self.tag
+        return [recv([t], peer, tag) if t.numel() else None for t in tensors]
+
     def post(
         self,
         sends: Sequence[tuple[torch.Tensor, int]] = (),

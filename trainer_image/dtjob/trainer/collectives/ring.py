@@ -16,9 +16,11 @@ the all-reduce posts its all-gather's receives before its reduce-scatter's first
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from dtjob.trainer.collectives.comm import Comm, Works, balanced_bounds, segments_for, wait_all
 from dtjob.trainer.collectives.reduce_ops import Reduction
@@ -80,25 +82,40 @@ def _layout_of(comm: Comm, buf: torch.Tensor, bounds: list[int]) -> _Layout:
     return _layout(tuple(bounds), comm.rank, buf.element_size(), comm.segment_bytes)
 
 
-Posted = dict[tuple[int, int], Works]  # (step, segment) -> its receive
+# Every receive of one phase: [step][segment] -> its work; None where the segment is empty (then
+# neither end sends it). Filled up front on gloo, step by step on NCCL (see Comm.can_prepost).
+Receives = list[list[dist.Work | None]]
 
 
-def _forward(
+def _receives(comm: Comm, targets: Sequence[Sequence[torch.Tensor]], prepost: bool) -> Receives:
+    """Post every receive of a phase now (prepost), or make room to post them step by step."""
+    if not prepost:
+        return [[None] * len(step) for step in targets]
+    prv = (comm.rank - 1) % comm.size
+    return [comm.recv_each(step, prv) for step in targets]
+
+
+def _forward_in_stream(
     comm: Comm,
     segment: torch.Tensor,
+    into: torch.Tensor,
     sends: Works,
-    recvs: Posted,
-    key: tuple[int, int],
-    into: torch.Tensor | None,
+    receives: list[dist.Work | None],
+    j: int,
 ) -> None:
-    """Send `segment` to the next rank. `into`: where the receive `key` goes when receives are
-    posted step by step (NCCL), posted with this send; None when they were all posted up front."""
-    nxt, prv = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
-    if into is None:
-        sends.extend(comm.send(segment, nxt))
-        return
-    sw, recvs[key] = comm.post(sends=[(segment, nxt)], recvs=[(into, prv)])
+    """NCCL's order: send `segment` on together with the receive of the next step's segment j."""
+    sw, rw = comm.post(
+        sends=[(segment, (comm.rank + 1) % comm.size)], recvs=[(into, (comm.rank - 1) % comm.size)]
+    )
     sends.extend(sw)
+    receives[j] = rw[-1] if rw else None
+
+
+# The loops below run once per message of every call, on the critical path: with ranks
+# outnumbering cores, each interpreter call here delays the whole ring. So they keep to locals
+# and post gloo's sends through the group directly. Measured, 4 ranks, against the same loops
+# with helper calls per message (161 -> 134 interpreter calls per all-reduce), ABBA-paired,
+# median of 80 rounds: 1.10x as fast at 1 MiB, 1.04x at 4 MiB, 1.01x at 16 MiB.
 
 
 def _reduce(
@@ -107,82 +124,85 @@ def _reduce(
     segs: tuple[torch.Tensor, ...],
     lay: _Layout,
     reduction: Reduction,
-    gather: Posted | None = None,
-) -> Works:
-    """The reduce-scatter's steps; returns its sends, which may still be in flight.
-
-    `gather`: filled with the all-gather's receives, posted after ours and before the first send.
-    """
+    prepost: bool,
+    post_gather: bool = False,
+) -> tuple[Works, Receives | None]:
+    """The reduce-scatter's steps. Returns its sends, which may still be in flight, and, with
+    `post_gather` (preposting only), the all-gather's receives, posted before our first send."""
     n, r = comm.size, comm.rank
-    prv = (r - 1) % n
     steps = n - 1
-    prepost = comm.can_prepost(buf.device)
     # Receive areas: one per step when all receives are posted up front, else two alternating.
     areas = steps if prepost else min(steps, 2)
     scratch = comm.scratch(0, areas * lay.largest, buf)
     area = [scratch[a * lay.largest : (a + 1) * lay.largest] for a in range(areas)]
     incoming = [area[s % areas].split_with_sizes(lay.area_sizes[s]) for s in range(steps)]
-    recvs: Posted = {}
-    if prepost:
-        for s in range(steps):
-            for j in range(lay.k):
-                recvs[s, j] = comm.recv(incoming[s][j], prv)
-    if gather is not None:
-        gather.update(_post_gather_recvs(comm, segs, lay))
+    received = _receives(comm, [inc[: lay.k] for inc in incoming], prepost)  # not the padding
+    gather = _receives(comm, _gather_targets(segs, lay), True) if post_gather and prepost else None
+    send, nxt, tag, sizes = comm.group.send, (r + 1) % n, comm.tag, lay.sizes
     sends: Works = []
-
-    def into(step: int, j: int) -> torch.Tensor | None:
-        return None if prepost else incoming[step][j]
-
     for j, i in enumerate(lay.reduce_first):
-        _forward(comm, segs[i], sends, recvs, (0, j), into(0, j))
+        if not prepost:
+            _forward_in_stream(comm, segs[i], incoming[0][j], sends, received[0], j)
+        elif sizes[i]:
+            sends.append(send([segs[i]], nxt, tag))
     combine = reduction.combine
+    last = steps - 1
     for s, chunk in enumerate(lay.reduce_steps):
         for j, i in enumerate(chunk):
-            wait_all(recvs.pop((s, j)))
-            combine(segs[i], incoming[s][j])
-            if s + 1 < steps:  # forward the freshly reduced segment
-                _forward(comm, segs[i], sends, recvs, (s + 1, j), into(s + 1, j))
-    return sends
+            work = received[s][j]
+            if work is not None:  # None: an empty segment, nothing comes
+                work.wait()
+                combine(segs[i], incoming[s][j])
+            if s == last:
+                continue
+            if not prepost:  # forward the freshly reduced segment
+                _forward_in_stream(comm, segs[i], incoming[s + 1][j], sends, received[s + 1], j)
+            elif sizes[i]:
+                sends.append(send([segs[i]], nxt, tag))
+    return sends, gather
 
 
 def reduce_scatter(comm: Comm, buf: torch.Tensor, bounds: list[int], reduction: Reduction) -> None:
     """In place on the flat `buf`: afterwards chunk `comm.rank` holds the finished reduction."""
     if comm.size > 1:
         lay = _layout_of(comm, buf, bounds)
-        wait_all(_reduce(comm, buf, buf.split_with_sizes(lay.sizes), lay, reduction))
+        sends, _ = _reduce(
+            comm, buf, buf.split_with_sizes(lay.sizes), lay, reduction, comm.can_prepost(buf.device)
+        )
+        wait_all(sends)
     reduction.finish(buf[bounds[comm.rank] : bounds[comm.rank + 1]], comm.size)
 
 
-def _post_gather_recvs(comm: Comm, segs: tuple[torch.Tensor, ...], lay: _Layout) -> Posted:
-    """Every receive of the all-gather (each step into its own chunk of buf, so all at once)."""
-    prv = (comm.rank - 1) % comm.size
-    steps = lay.gather_steps
-    return {(s, j): comm.recv(segs[i], prv) for s, chunk in enumerate(steps) for j, i in enumerate(chunk)}
+def _gather_targets(segs: tuple[torch.Tensor, ...], lay: _Layout) -> list[list[torch.Tensor]]:
+    """Where each all-gather step receives: its chunk's segments, in place in buf."""
+    return [[segs[i] for i in chunk] for chunk in lay.gather_steps]
 
 
 def _gather(
-    comm: Comm, segs: tuple[torch.Tensor, ...], lay: _Layout, posted: Posted | None, sends: Works
+    comm: Comm, segs: tuple[torch.Tensor, ...], lay: _Layout, posted: Receives | None, sends: Works
 ) -> None:
     """The all-gather's steps; `posted`: its receives if already up, `sends`: earlier sends to await."""
-    steps = comm.size - 1
-    prepost = comm.can_prepost(segs[0].device)
-    recvs: Posted = {}
-    if posted is not None:
-        recvs = posted
-    elif prepost:
-        recvs = _post_gather_recvs(comm, segs, lay)
-
-    def into(step: int, j: int) -> torch.Tensor | None:
-        return None if prepost else segs[lay.gather_steps[step][j]]
-
+    prepost = posted is not None or comm.can_prepost(segs[0].device)
+    targets = [] if posted is not None else _gather_targets(segs, lay)  # used when not preposted
+    received = posted if posted is not None else _receives(comm, targets, prepost)
+    send, nxt, tag, sizes = comm.group.send, (comm.rank + 1) % comm.size, comm.tag, lay.sizes
     for j, i in enumerate(lay.gather_first):
-        _forward(comm, segs[i], sends, recvs, (0, j), into(0, j))
+        if not prepost:
+            _forward_in_stream(comm, segs[i], targets[0][j], sends, received[0], j)
+        elif sizes[i]:
+            sends.append(send([segs[i]], nxt, tag))
+    last = comm.size - 2
     for s, chunk in enumerate(lay.gather_steps):
         for j, i in enumerate(chunk):
-            wait_all(recvs.pop((s, j)))
-            if s + 1 < steps:
-                _forward(comm, segs[i], sends, recvs, (s + 1, j), into(s + 1, j))
+            work = received[s][j]
+            if work is not None:
+                work.wait()
+            if s == last:
+                continue
+            if not prepost:
+                _forward_in_stream(comm, segs[i], targets[s + 1][j], sends, received[s + 1], j)
+            elif sizes[i]:
+                sends.append(send([segs[i]], nxt, tag))
     wait_all(sends)
 
 
@@ -211,7 +231,6 @@ def all_reduce(comm: Comm, buf: torch.Tensor, reduction: Reduction) -> None:
     # needs our reduce-scatter send of c to have arrived; we never touch c in the reduce-scatter
     # after that send. For the same reason the all-gather need not wait for the reduce-scatter's
     # sends to complete: gloo has read a message out of buf once its receiver has it all.
-    gather: Posted | None = {} if comm.can_prepost(buf.device) else None
-    sends = _reduce(comm, buf, segs, lay, reduction, gather)
+    sends, gather = _reduce(comm, buf, segs, lay, reduction, comm.can_prepost(buf.device), post_gather=True)
     reduction.finish(buf[bounds[r] : bounds[r + 1]], n)
     _gather(comm, segs, lay, gather, sends)
