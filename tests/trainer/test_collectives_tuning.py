@@ -7,6 +7,7 @@ import pytest
 from dtjob.trainer.collectives.selection import ALGORITHMS, CostModel, choose, predict
 from dtjob.trainer.collectives.tuning import (
     BLOCK_CALLS,
+    DEFAULT_TRIALS,
     TRIAL_FACTOR,
     TRIALS_ENV_VAR,
     Trials,
@@ -81,7 +82,7 @@ def test_nothing_is_timed_without_a_choice_to_make(per_candidate: int) -> None:
 
 def test_trials_setting_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(TRIALS_ENV_VAR, raising=False)
-    assert trials_from_env() == 5
+    assert trials_from_env() == DEFAULT_TRIALS == 9
     monkeypatch.setenv(TRIALS_ENV_VAR, "0")
     assert trials_from_env() == 0
     for bad in ("-1", "many"):

@@ -30,8 +30,11 @@ from dtjob.trainer.collectives.selection import ALGORITHMS, CostModel, predict
 TRIALS_ENV_VAR = "DTJOB_COLLECTIVE_TRIALS"
 
 # Timed calls per candidate. A call's time here jumps in 4 ms steps when a waiting vCPU halts
-# (bench/collectives.py), a quarter of a 1 MiB call; the median of 5 ignores two such outliers.
-DEFAULT_TRIALS = 5
+# (bench/collectives.py), most of a 1 MiB call; the median of 9 ignores four such outliers. With 5,
+# at 4 KiB on 4 ranks, 30 fresh trials kept hd 8 times (rd, 1.4x as fast in a stream of calls,
+# 19 times); with 9, hd 2 times and rd 23. The trials cost only a kind's first calls:
+# BLOCK_CALLS x 9 per candidate.
+DEFAULT_TRIALS = 9
 
 # Candidates are the algorithms predicted within this factor of the model's best. Under each of
 # the five calibrations in bench/results/allreduce_world4_repeats.txt (alpha 0.51-1.24 ms,
