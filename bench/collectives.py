@@ -30,6 +30,7 @@ import datetime
 import json
 import multiprocessing as mp
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -119,13 +120,18 @@ def _rank_main(rank: int, n: int, store: str, config: dict[str, Any], out: Any) 
                 warm_ups = 1 + trial_calls if impl == "auto" else 1
                 for _ in range(warm_ups):
                     _call(impl, op, buf, big, small)
-            impls = list(config["impls"])
             for run in range(config["runs"]):
-                # The order rotates from run to run: an implementation's time depends on its place
-                # in the round (measured at 16 MiB, 4 ranks: one ring was 0.96x native timed second
-                # of three and 1.02x timed third; an older ring 0.95x second and 1.02x third).
-                for impl in impls[run % len(impls) :] + impls[: run % len(impls)]:
+                # A fresh order every run, the same on every rank (seeded by the run): a sample's
+                # time depends on what ran just before it. Rotating one fixed order kept every
+                # implementation behind the same neighbour - the ring always behind native - and
+                # that neighbour's leftovers stayed in its numbers: the same ring, 4 ranks, 16 MiB,
+                # 80 rounds, measured 0.977x native timed right after native and 1.001x timed right
+                # after itself. One untimed call after the barrier takes what is left of them.
+                order = list(config["impls"])
+                random.Random(run).shuffle(order)
+                for impl in order:
                     dist.barrier()
+                    _call(impl, op, buf, big, small)
                     start, cpu_start = time.perf_counter(), time.process_time()
                     for _ in range(iters):
                         _call(impl, op, buf, big, small)
