@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from dtjob.trainer.parallel.comm import Comm
+from dtjob.trainer.parallel.config import ParallelConfig
 from dtjob.trainer.parallel.state import FetchRange, FlatShard
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -216,8 +217,16 @@ class DataParallel:
     """What DDP and FSDP share: every rank of `comm` is one replica reading its own slice of the
     global batch, and one optimizer holds what the rank steps."""
 
-    comm: Comm
     optimizer: torch.optim.Optimizer
+
+    def __init__(self, model: nn.Module, config: ParallelConfig, loss_fn: LossFn, comm: Comm) -> None:
+        """Keep what every replica needs, and start it from rank 0's parameters and buffers."""
+        self.model = model
+        self.config = config
+        self.loss_fn = loss_fn
+        self.comm = comm
+        self.named_buffers = dict(model.named_buffers())
+        broadcast_from_rank0([*model.parameters(), *self.named_buffers.values()], comm)
 
     @property
     def data_parallel_rank(self) -> int:

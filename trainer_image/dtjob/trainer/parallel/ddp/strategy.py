@@ -34,14 +34,9 @@ class DDPStrategy(common.DataParallel):
         loss_fn: common.LossFn,
         comm: Comm,
     ) -> None:
-        self.model = model
-        self.config = config
-        self.loss_fn = loss_fn
-        self.comm = comm
+        super().__init__(model, config, loss_fn, comm)
         self._sync = True
         self.named_params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-        self.named_buffers = dict(model.named_buffers())
-        common.broadcast_from_rank0([*model.parameters(), *self.named_buffers.values()], comm)
         if config.activation_checkpointing:
             common.apply_activation_checkpointing(common.blocks_in_order(model))
 

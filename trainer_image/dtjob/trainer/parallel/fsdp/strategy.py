@@ -50,13 +50,8 @@ class FSDPStrategy(common.DataParallel):
         loss_fn: common.LossFn,
         comm: Comm,
     ) -> None:
-        self.model = model
-        self.config = config
+        super().__init__(model, config, loss_fn, comm)
         self.stage = config.zero_stage
-        self.loss_fn = loss_fn
-        self.comm = comm
-        self.named_buffers = dict(model.named_buffers())
-        common.broadcast_from_rank0([*model.parameters(), *self.named_buffers.values()], comm)
 
         try:
             blocks = common.blocks_in_order(model)
