@@ -36,12 +36,12 @@ TRIALS_ENV_VAR = "DTJOB_COLLECTIVE_TRIALS"
 # BLOCK_CALLS x 9 per candidate.
 DEFAULT_TRIALS = 9
 
-# Candidates are the algorithms predicted within this factor of the model's best. Under the six
+# Candidates are the algorithms predicted within this factor of the model's best. Under the nine
 # calibrations in bench/results/allreduce_world4_repeats.txt (alpha 0.41-0.91 ms, overhead
-# 0.01-0.39 ms) the ring, the benchmark's fastest from 1 MiB up, is predicted at 1.02-1.16x the
-# best from 16 MiB up and at 1.12-1.52x at 4 MiB: always a candidate. At 1 MiB it is predicted at
-# 1.48-2.15x and was left out once; rd, as fast there in a stream of calls, was kept that run. At
-# 4 KiB it is predicted at 3x and left out.
+# 0.005-0.39 ms) the ring, the benchmark's fastest from 1 MiB up, is predicted at 1.02-1.31x the
+# best from 16 MiB up and at 1.12-1.83x at 4 MiB: always a candidate. At 1 MiB it is predicted at
+# 1.48-2.47x and was left out in three runs; the trials kept rd in two of them (about as fast
+# there in a stream of calls) and direct in one. At 4 KiB it is predicted at 3x and left out.
 TRIAL_FACTOR = 2.0
 
 # Each candidate runs in blocks of this many calls and only the last is timed (see above).
