@@ -40,8 +40,9 @@ DEFAULT_TRIALS = 9
 # calibrations in bench/results/allreduce_world4_repeats.txt (alpha 0.41-0.91 ms, overhead
 # 0.005-0.39 ms) the ring, the benchmark's fastest from 1 MiB up, is predicted at 1.02-1.31x the
 # best from 16 MiB up and at 1.12-1.83x at 4 MiB: always a candidate. At 1 MiB it is predicted at
-# 1.48-2.47x and was left out in three runs; the trials kept rd in two of them (about as fast
-# there in a stream of calls) and direct in one. At 4 KiB it is predicted at 3x and left out.
+# 1.48-2.47x and was left out in three runs: there auto kept rd twice (1.13x and 1.12x native,
+# where the ring alone measured 1.22x and 1.43x) and direct once (0.99x; the ring 1.30x). At
+# 4 KiB it is predicted at 3x and left out.
 TRIAL_FACTOR = 2.0
 
 # Each candidate runs in blocks of this many calls and only the last is timed (see above).
