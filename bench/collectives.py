@@ -65,6 +65,23 @@ def _iterations(nbytes: int) -> int:
     return max(4, min(50, (8 << 20) // max(nbytes, 1)))
 
 
+def _auto_settled(op: str, nbytes: int) -> bool:
+    """Whether auto's trials for this kind of call (an `nbytes` float32 vector) have agreed, or
+    there are none: DTJOB_COLLECTIVE_ALGO forces the op, or DTJOB_COLLECTIVE_TRIALS=0."""
+    import torch.distributed as dist
+
+    from dtjob.trainer.collectives.selection import env_override
+    from dtjob.trainer.collectives.tuning import call_kind, trials_from_env
+    from dtjob.trainer.collectives.work import runner_for
+
+    if env_override(op) or trials_from_env() == 0:
+        return True
+    group = dist.group.WORLD
+    assert group is not None
+    trials = runner_for(group).trials.get(call_kind(op, nbytes, "float32"))
+    return trials is not None and trials.winner is not None
+
+
 def _call(impl: str, op: str, buf: Any, big: Any, small: Any) -> None:
     import torch.distributed as dist
 
@@ -90,7 +107,6 @@ def _rank_main(rank: int, n: int, store: str, config: dict[str, Any], out: Any) 
     import torch.distributed as dist
 
     from dtjob.trainer import collectives as C
-    from dtjob.trainer.collectives.tuning import BLOCK_CALLS, trials_from_env
 
     torch.set_num_threads(1)  # n ranks share the machine's cores; gloo reduces single-threaded too
     dist.init_process_group(
@@ -113,12 +129,13 @@ def _rank_main(rank: int, n: int, store: str, config: dict[str, Any], out: Any) 
             times: dict[str, list[float]] = {impl: [] for impl in config["impls"]}
             cpu_times: dict[str, list[float]] = {impl: [] for impl in config["impls"]}
             for impl in config["impls"]:
-                # One warm-up call each; auto gets enough to calibrate and finish its trials of
-                # every candidate (tuning.py), so the table shows what it settled on, as
-                # nccl-tests' warm-up iterations keep start-up out of its numbers.
-                trial_calls = BLOCK_CALLS * trials_from_env() * len(C.ALGORITHMS[op])
-                warm_ups = 1 + trial_calls if impl == "auto" else 1
-                for _ in range(warm_ups):
+                # One warm-up call each; auto calls on until it has calibrated and its trials
+                # of every candidate have agreed (tuning.py) - the same call on every rank - so
+                # the table shows what it settled on, as nccl-tests' warm-up iterations keep
+                # start-up out of its numbers.
+                _call(impl, op, buf, big, small)
+                vector_bytes = (count if op == "allreduce" else total) * esize
+                while impl == "auto" and not _auto_settled(op, vector_bytes):
                     _call(impl, op, buf, big, small)
             for run in range(config["runs"]):
                 # A fresh order every run, the same on every rank (seeded by the run): a sample's

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from dtjob.trainer import collectives as C
-from dtjob.trainer.collectives.tuning import BLOCK_CALLS
+from dtjob.trainer.collectives.tuning import BLOCK_CALLS, TIMED_PER_BLOCK
 from tests.trainer.collectives_harness import run_world
 
 
@@ -74,16 +74,16 @@ def test_bad_arguments_raise_clear_errors_and_odd_layouts_work() -> None:
 
 
 def test_auto_times_its_candidates_in_turn_then_every_rank_keeps_the_same_one() -> None:
-    trials = 3
+    trials = TIMED_PER_BLOCK + 1  # timed calls per candidate: two blocks each
     results = run_world(4, "auto_trials", trials)
     _assert_clean(results)
     _assert_same_bits_everywhere(results)
     assert all(r["ran"] == results[0]["ran"] and r["candidates"] == results[0]["candidates"] for r in results)
     for name, ran in results[0]["ran"].items():
         candidates = results[0]["candidates"][name]
-        timed = BLOCK_CALLS * trials * len(candidates) if len(candidates) > 1 else 0
-        blocks = [c for c in candidates for _ in range(BLOCK_CALLS)]
-        assert ran[:timed] == blocks * trials, f"{name}: the candidates must take turns: {ran}"
+        timed = BLOCK_CALLS * 2 * len(candidates) if len(candidates) > 1 else 0
+        turns = [c for c in candidates for _ in range(BLOCK_CALLS)]
+        assert ran[:timed] == turns * 2, f"{name}: the candidates must take turns: {ran}"
         assert len(set(ran[timed:])) == 1 and ran[-1] in candidates, f"{name}: no single winner kept: {ran}"
 
 

@@ -99,11 +99,10 @@ def _auto(op: str, runner: GroupRunner, comm: Comm, vector: torch.Tensor) -> tup
     trials = runner.trials.get(kind)
     if trials is None:  # a new kind (or trials off): ask the model
         model = cost_model(runner, comm)
-        per_candidate = tuning.trials_from_env()
-        if per_candidate == 0:
+        timed_calls = tuning.trials_from_env()
+        if timed_calls == 0:
             return selection.choose(op, nbytes, comm.size, dtype_name, model), None
-        found = tuning.candidates(op, nbytes, comm.size, dtype_name, model)
-        trials = runner.trials[kind] = tuning.Trials(found, per_candidate)
+        trials = runner.trials[kind] = tuning.plan(op, nbytes, comm.size, dtype_name, model, timed_calls)
     if trials.ready_to_agree():  # the same call on every rank: all counted the same trials
         seconds = torch.tensor(trials.local_seconds(), dtype=torch.float64)
         ring.all_reduce(comm, seconds, Reduction(dist.ReduceOp.SUM, torch.float64))
