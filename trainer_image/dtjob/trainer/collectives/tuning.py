@@ -51,11 +51,12 @@ MAX_BLOCKS = 8
 
 # Candidates are the algorithms predicted within this factor of the model's best. The model's
 # latency term is alpha per dependent step, which makes the ring (2(n-1) steps) look slow for
-# small messages: under the nine calibrations in bench/results/allreduce_world4_repeats.txt it
-# predicts the 4-rank ring at 2.98-3.00x rd at 4 KiB and 1.48-2.47x the best at 1 MiB. Measured in
-# a stream of calls the ring was the fastest at both (4 KiB: 1.6x native's busbw against 1.33x for
-# what auto kept without it; 1 MiB: 1.19x against 1.01x). With 3.5 the ring is timed at every
-# size on 4 ranks; on 8 (14 ring steps against rd's 3) it still is not for small calls.
+# small messages: under the 19 calibrations of bench/results/allreduce_world4_repeats.txt it
+# predicts the 4-rank ring at 2.98-3.00x rd at 4 KiB and 1.35-2.47x the best at 1 MiB. Measured in
+# a stream of calls the ring was the fastest at both: in the nine runs with factor 2.0, which left
+# it out there, the ring alone had 1.60x native's busbw at 4 KiB against 1.33x for what auto kept,
+# and 1.19x against 1.01x at 1 MiB. With 3.5 the ring is timed at every size on 4 ranks; on 8
+# (14 ring steps against rd's 3) it still is not for small calls.
 TRIAL_FACTOR = 3.5
 
 
