@@ -66,20 +66,17 @@ def _iterations(nbytes: int) -> int:
 
 
 def _auto_settled(op: str, nbytes: int) -> bool:
-    """Whether auto's trials for this kind of call (an `nbytes` float32 vector) have agreed, or
-    there are none: DTJOB_COLLECTIVE_ALGO forces the op, or DTJOB_COLLECTIVE_TRIALS=0."""
+    """After a first auto call of this kind (an `nbytes` float32 vector): whether auto has no
+    trials left to run. No trials at all means the model or DTJOB_COLLECTIVE_ALGO decided."""
     import torch.distributed as dist
 
-    from dtjob.trainer.collectives.selection import env_override
-    from dtjob.trainer.collectives.tuning import call_kind, trials_from_env
+    from dtjob.trainer.collectives.tuning import call_kind
     from dtjob.trainer.collectives.work import runner_for
 
-    if env_override(op) or trials_from_env() == 0:
-        return True
     group = dist.group.WORLD
     assert group is not None
     trials = runner_for(group).trials.get(call_kind(op, nbytes, "float32"))
-    return trials is not None and trials.winner is not None
+    return trials is None or trials.winner is not None
 
 
 def _call(impl: str, op: str, buf: Any, big: Any, small: Any) -> None:
