@@ -191,17 +191,30 @@ def matrix(rank: int, n: int, arg: Any) -> dict[str, Any]:
     return check.result()
 
 
-def _never_prepost(self: Comm, device: torch.device) -> bool:
-    return False
+def _as_if_coalescing(self: Comm, device: torch.device) -> bool:
+    return True
 
 
 def stream_ordered(rank: int, n: int, arg: Any) -> dict[str, Any]:
-    """The matrix in float32 and int64 with every receive posted along with its step's sends, the
-    order NCCL needs (Comm.can_prepost is False there), on gloo. That runs the algorithms' other
-    posting path: per-step receives, the ring's two alternating scratch areas. NCCL's batching of
-    each post into one group cannot run here (no GPU)."""
-    Comm.can_prepost = _never_prepost  # type: ignore[method-assign]
-    return matrix(rank, n, [torch.float32, torch.int64])
+    """The matrix in float32 and int64 on gloo, with Comm treating the backend as NCCL: every post
+    goes through batch_isend_irecv and every receive is posted along with its step's sends
+    (Comm.can_prepost is False), the ring's two alternating scratch areas included. Only NCCL's
+    folding of a batch into one work (Comm.post's last branch) cannot run here: gloo returns one
+    work per operation."""
+    Comm._needs_coalescing = _as_if_coalescing  # type: ignore[method-assign]
+    batches = 0
+    batch_isend_irecv = dist.batch_isend_irecv
+
+    def counted(ops: list[dist.P2POp]) -> list[dist.Work]:
+        nonlocal batches
+        batches += 1
+        return batch_isend_irecv(ops)
+
+    dist.batch_isend_irecv = counted
+    result = matrix(rank, n, [torch.float32, torch.int64])
+    if n > 1 and batches == 0:
+        result["failures"].append("no message went through batch_isend_irecv")
+    return result
 
 
 def subgroup(rank: int, n: int, arg: Any) -> dict[str, Any]:
