@@ -198,8 +198,8 @@ def _as_if_coalescing(self: Comm, device: torch.device) -> bool:
 def stream_ordered(rank: int, n: int, arg: Any) -> dict[str, Any]:
     """The matrix in float32 and int64 on gloo, with Comm treating the backend as NCCL: every post
     goes through batch_isend_irecv and every receive is posted along with its step's sends
-    (Comm.can_prepost is False), the ring's two alternating scratch areas included. Only NCCL's
-    folding of a batch into one work (Comm.post's last branch) cannot run here: gloo returns one
+    (Comm.can_prepost is False), the ring's two alternating scratch areas included. Only Comm.post's
+    branch for a batch that comes back as a single work (NCCL's) cannot run here: gloo returns one
     work per operation."""
     Comm._needs_coalescing = _as_if_coalescing  # type: ignore[method-assign]
     batches = 0
