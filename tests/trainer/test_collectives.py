@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from dtjob.trainer import collectives as C
-from dtjob.trainer.collectives.tuning import BLOCK_CALLS, TIMED_PER_BLOCK
+from dtjob.trainer.collectives.tuning import BLOCK_CALLS, FINALISTS, TIMED_PER_BLOCK
 from tests.trainer.collectives_harness import run_world
 
 
@@ -81,10 +81,19 @@ def test_auto_times_its_candidates_in_turn_then_every_rank_keeps_the_same_one() 
     assert all(r["ran"] == results[0]["ran"] and r["candidates"] == results[0]["candidates"] for r in results)
     for name, ran in results[0]["ran"].items():
         candidates = results[0]["candidates"][name]
-        timed = BLOCK_CALLS * 2 * len(candidates) if len(candidates) > 1 else 0
         turns = [c for c in candidates for _ in range(BLOCK_CALLS)]
-        assert ran[:timed] == turns * 2, f"{name}: the candidates must take turns: {ran}"
-        assert len(set(ran[timed:])) == 1 and ran[-1] in candidates, f"{name}: no single winner kept: {ran}"
+        if len(candidates) > FINALISTS:  # a race: one block each, then one more for two finalists
+            assert ran[: len(turns)] == turns, f"{name}: the candidates must take turns: {ran}"
+            final = ran[len(turns) : len(turns) + FINALISTS * BLOCK_CALLS]
+            finalists = sorted(set(final), key=candidates.index)
+            assert final == [c for c in finalists for _ in range(BLOCK_CALLS)], f"{name}: {ran}"
+            after = ran[len(turns) + len(final) :]
+        else:
+            finalists = candidates
+            timed = len(turns) * 2 if len(candidates) > 1 else 0
+            assert ran[:timed] == turns * 2, f"{name}: the candidates must take turns: {ran}"
+            after = ran[timed:]
+        assert len(set(after)) == 1 and after[0] in finalists, f"{name}: no single finalist kept: {ran}"
 
 
 def test_a_dead_peer_makes_the_call_raise_instead_of_hanging() -> None:

@@ -7,6 +7,7 @@ import pytest
 from dtjob.trainer.collectives.selection import ALGORITHMS, CostModel, choose, predict
 from dtjob.trainer.collectives.tuning import (
     BLOCK_CALLS,
+    FINALISTS,
     MAX_BLOCKS,
     MIN_BLOCKS,
     TIMED_PER_BLOCK,
@@ -68,28 +69,67 @@ def test_sizes_within_one_power_of_two_share_a_kind() -> None:
     assert call_kind("allreduce", 1024, "float32") != call_kind("allgather", 1024, "float32")
 
 
-def test_candidates_take_turns_in_blocks_then_the_least_median_of_the_ranks_sums_is_kept() -> None:
-    assert BLOCK_CALLS == 5 and TIMED_PER_BLOCK == 4
-    trials = Trials(("rd", "direct", "hd"), blocks=2)
-    # Per candidate, its calls in order: each block's settling call (99: never counted), then
-    # four timed ones.
-    seconds = {
-        "rd": [99, 3.0, 9.0, 4.0, 3.5, 99, 3.2, 3.1, 3.3, 8.0],
-        "direct": [99, 2.0, 2.5, 2.2, 2.1, 99, 2.3, 2.4, 2.0, 2.2],
-        "hd": [99, 1.0, 30.0, 0.5, 1.1, 99, 0.9, 1.2, 0.8, 1.0],
-    }
-    ran: list[str] = []
+def _run_round(trials: Trials, seconds: dict[str, list[float]], ran: list[str]) -> None:
+    """Make the round's calls as api.py does, each candidate's calls timed from its own list."""
     while not trials.ready_to_agree():
         algorithm = trials.next_candidate()
         ran.append(algorithm)
         trials.record(algorithm, seconds[algorithm][ran.count(algorithm) - 1])
-    assert ran == (["rd"] * 5 + ["direct"] * 5 + ["hd"] * 5) * 2
+
+
+def test_candidates_take_turns_in_blocks_then_the_least_median_of_the_ranks_sums_is_kept() -> None:
+    assert BLOCK_CALLS == 5 and TIMED_PER_BLOCK == 4
+    trials = Trials(("direct", "hd"), blocks=2)  # two candidates: no race, one round
+    # Per candidate, its calls in order: each block's settling call (99: never counted), then
+    # four timed ones.
+    seconds = {
+        "direct": [99, 2.0, 2.5, 2.2, 2.1, 99, 2.3, 2.4, 2.0, 2.2],
+        "hd": [99, 1.0, 30.0, 0.5, 1.1, 99, 0.9, 1.2, 0.8, 1.0],
+    }
+    ran: list[str] = []
+    _run_round(trials, seconds, ran)
+    assert ran == (["direct"] * 5 + ["hd"] * 5) * 2
     assert trials.winner is None
-    assert trials.local_seconds() == [s for a in ("rd", "direct", "hd") for s in seconds[a] if s != 99]
+    assert trials.local_seconds() == [s for a in ("direct", "hd") for s in seconds[a] if s != 99]
     # The ranks' sums decide, not this rank's own times (by which hd, median 1.0, would win).
-    combined = [3.0] * 8 + [1.5] * 5 + [9.0] * 3 + [2.0] * 8  # medians: rd 3.0, direct 1.5, hd 2.0
+    combined = [1.5] * 5 + [9.0] * 3 + [2.0] * 8  # medians: direct 1.5, hd 2.0
     assert trials.agree(combined) == "direct"
     assert trials.winner == "direct" and not trials.ready_to_agree()
+
+
+def test_a_race_times_all_for_half_the_blocks_then_only_the_finalists() -> None:
+    assert FINALISTS == 2
+    trials = Trials(("rd", "direct", "hd", "ring"), blocks=3)  # 2 blocks each, then 1 for two
+    seconds = {a: [float(i) for i in range(15)] for a in trials.candidates}
+    ran: list[str] = []
+    _run_round(trials, seconds, ran)
+    assert ran == (["rd"] * 5 + ["direct"] * 5 + ["hd"] * 5 + ["ring"] * 5) * 2
+    k = 2 * TIMED_PER_BLOCK
+    assert len(trials.local_seconds()) == 4 * k
+    # Medians of the ranks' sums: rd 3, direct 2, hd 4, ring 1. The two least go on, in the
+    # model's order, and the call that agreed on them goes on with the first finalist's block.
+    assert trials.agree([3.0] * k + [2.0] * k + [4.0] * k + [1.0] * k) is None
+    assert trials.winner is None and trials.running == ("direct", "ring")
+    assert trials.next_candidate() == "direct"
+    before = len(ran)
+    _run_round(trials, seconds, ran)
+    assert ran[before:] == ["direct"] * 5 + ["ring"] * 5
+    # The final agreement sees every timed call of both finalists, from both rounds.
+    assert trials.local_seconds() == [s for a in ("direct", "ring") for s in trials.seconds[a]]
+    assert len(trials.local_seconds()) == 2 * 3 * TIMED_PER_BLOCK
+    k = 3 * TIMED_PER_BLOCK
+    assert trials.agree([2.0] * k + [1.5] * k) == "ring"
+    assert trials.winner == "ring" and not trials.ready_to_agree()
+
+
+@pytest.mark.parametrize(("found", "blocks"), [(("rd", "hd"), 4), (("rd", "hd", "ring"), 1)])
+def test_no_race_with_two_candidates_or_one_block(found: tuple[str, ...], blocks: int) -> None:
+    trials = Trials(found, blocks=blocks)
+    ran: list[str] = []
+    _run_round(trials, {a: [1.0] * 5 * blocks for a in found}, ran)
+    assert ran == [a for a in found for _ in range(BLOCK_CALLS)] * blocks
+    k = blocks * TIMED_PER_BLOCK
+    assert trials.agree([2.0] * k + [1.0] * k + [3.0] * k * (len(found) - 2)) == found[1]
 
 
 def test_ties_go_to_the_models_order() -> None:

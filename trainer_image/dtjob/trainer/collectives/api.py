@@ -90,8 +90,9 @@ def _algorithm(op: str, algorithm: str) -> str:
 def _auto(op: str, runner: GroupRunner, comm: Comm, vector: torch.Tensor) -> tuple[str, tuning.Trials | None]:
     """Auto's algorithm for this call, and the kind's Trials while they still time candidates.
 
-    The cost model names the candidates; during a kind's trials they take turns, then the ranks
-    agree on the fastest and keep it (tuning.py). With trials off the model alone decides.
+    The cost model names the candidates; during a kind's trials they take turns, the ranks agree
+    on the finalists and then on the fastest, and keep it (tuning.py). With trials off the model
+    alone decides.
     """
     nbytes = vector.numel() * vector.element_size()
     dtype_name = str(vector.dtype).removeprefix("torch.")

@@ -9,8 +9,10 @@ best, in blocks of BLOCK_CALLS calls: the first settles in, the others are timed
 (A call's time includes waiting for the ranks the previous call left behind: timed right after a
 call of its own, a candidate pays for the stagger it leaves itself, as it will in a stream of
 calls - DDP's buckets, FSDP's layers - and not for another candidate's.) Then one small all-reduce
-adds up the ranks' times call by call, so every rank holds the same numbers and keeps the same
-winner, the least median, for all later calls of that kind. (The same idea as STAR-MPI: Faraj,
+adds up the ranks' times call by call, so every rank holds the same numbers. With more than
+FINALISTS candidates this is a race: after half their blocks the ranks agree on the FINALISTS
+with the least medians, only those run the other half, and a second agreement over all their
+calls keeps the winner for all later calls of that kind. (The same idea as STAR-MPI: Faraj,
 Yuan and Lowenthal, "STAR-MPI: self tuned adaptive routines for MPI collective operations",
 ICS 2006.)
 
@@ -34,25 +36,36 @@ TRIALS_ENV_VAR = "DTJOB_COLLECTIVE_TRIALS"
 BLOCK_CALLS = 5
 TIMED_PER_BLOCK = BLOCK_CALLS - 1
 
-# Blocks per candidate: as many as the model predicts fit in TRIAL_SECONDS for all candidates of
-# the kind, within [MIN_BLOCKS, MAX_BLOCKS] - 12 to 32 timed calls each. A call's time here jumps
-# in 4 ms steps when a waiting vCPU halts (bench/collectives.py), most of a 1 MiB call, so small
-# calls need many samples and large ones (whose ranking is steady) few. Measured on 24-30 fresh
-# sets of trials per size, 4 ranks, all four all-reduce algorithms timed, each set scored by the
-# stream time of the one it kept (1.00 = the fastest every time): 9 timed calls in blocks of 2,
-# the previous default, scored 1.10 and 1.18 at 1 MiB (two data sets). 32 timed calls in blocks
-# of 5 scored 1.05 at 1 MiB (30 in blocks of 3, on the other data set: 1.12), 1.04 at 4 KiB and
-# 1.01 at 4 MiB; 12 in blocks of 5 scored 1.01 at 4 MiB, and 6 in blocks of 3 1.01 at 16 MiB.
-# Trials cost a kind's first calls, once; measured on 4 ranks: 0.4 s at 4 KiB (161 calls), 0.7 s
-# at 1 MiB, 1.6 s at 4 MiB, 2.1 s at 16 MiB and 8.2 s at 64 MiB (61 calls; 73 with the old 9 x 2).
-# Other rules replayed on the same sets (scores at 1 MiB / 4 KiB, 8 blocks): the median 1.048 /
-# 1.042, the lower quartile 1.068 / 1.013, the median of block means 1.049 / 1.060. Racing (4 blocks
-# each, then 4 more for the two best) scored 1.046 / 1.024 with a quarter fewer calls; not taken,
-# as that saves 0.2-1.4 s per kind here (4 ranks) at the price of a second agreement round. At
-# 1 MiB the misses come from noise in the calls, which no rule here removed.
-TRIAL_SECONDS = 1.0
+# Blocks per finalist: as many as the model predicts fit in TRIAL_SECONDS if every candidate of
+# the kind ran them all, within [MIN_BLOCKS, MAX_BLOCKS] - 12 to 48 timed calls; the others run
+# about half, so with four candidates the race spends about three quarters of the budget. A
+# call's time here jumps in 4 ms steps when a waiting vCPU halts (bench/collectives.py), most of a
+# 1 MiB call, so small calls need many samples and large ones (whose ranking is steady) few.
+# Measured on sets of trials recorded with all four all-reduce algorithms timed, 4 ranks, 30 sets
+# per size, each set scored by the stream time of the one it would keep (1.00 = the fastest every
+# time):
+#
+#     blocks per candidate             1 MiB   4 KiB   4 MiB   blocks run (4 candidates)
+#     3 each                           1.096   1.154   1.014   12
+#     8 each (the previous rule)       1.065   1.030   1.004   32
+#     12 each                          1.046   1.015   1.004   48
+#     race: 2, then 1 (as from 16 MiB) 1.099   1.227   1.014   10
+#     race: 4, then 4                  1.065   1.060   1.004   24
+#     race: 6, then 6 (this rule)      1.046   1.015   1.004   36
+#
+# So more samples do pick better, and racing keeps that quality for three quarters of the calls.
+# On older sets (24-30 per size, 8 blocks) racing 4 + 4 scored as well as 8 each at 1 MiB, 4 MiB
+# and 16 MiB and better at 4 KiB (1.024 against 1.042), and 2 + 1 as well as 3 each at 16 MiB
+# (1.011). The lower quartile, the median of block means and 9 calls in blocks of 2 (the rule
+# before those) did no better than the median.
+# Trials cost a kind's first calls, once. Measured on 4 ranks (two runs; the previous rule in
+# brackets): 0.6 s at 4 KiB, 181 calls (0.4 s), 0.8 s at 1 MiB (0.7 s), 1.3-1.5 s at 4 MiB
+# (1.6 s), 1.9 s at 16 MiB, 51 calls (2.1 s), 7.2-7.5 s at 64 MiB (8.2 s). At 1 MiB the extra
+# 0.13 s is repaid by a 2% faster pick of a 4 ms call after ~1600 calls of the kind.
+FINALISTS = 2
+TRIAL_SECONDS = 1.5
 MIN_BLOCKS = 3
-MAX_BLOCKS = 8
+MAX_BLOCKS = 12
 
 # Candidates are the algorithms predicted within this factor of the model's best. The model's
 # latency term is alpha per dependent step, which makes the ring (2(n-1) steps) look slow for
@@ -66,8 +79,8 @@ TRIAL_FACTOR = 3.5
 
 
 def trials_from_env() -> int | None:
-    """DTJOB_COLLECTIVE_TRIALS: timed calls per candidate, 0 = trust the cost model alone,
-    None (unset) = as many as fit the time budget."""
+    """DTJOB_COLLECTIVE_TRIALS: timed calls per finalist (half as many for the others), 0 = trust
+    the cost model alone, None (unset) = as many as fit the time budget."""
     return whole_number_from_env(TRIALS_ENV_VAR, 0, "a whole number >= 0 (0 turns trials off)")
 
 
@@ -80,7 +93,7 @@ def candidates(op: str, nbytes: int, world_size: int, dtype_name: str, model: Co
 
 
 def blocks_per_candidate(predicted_seconds: float, timed_calls: int | None) -> int:
-    """Blocks each candidate runs: enough for `timed_calls` if set, else what fits the budget when
+    """Blocks a finalist runs: enough for `timed_calls` if set, else what fits the budget when
     one call of every candidate is predicted to take `predicted_seconds` together."""
     if timed_calls is not None:
         return math.ceil(timed_calls / TIMED_PER_BLOCK)
@@ -91,7 +104,7 @@ def blocks_per_candidate(predicted_seconds: float, timed_calls: int | None) -> i
 def plan(
     op: str, nbytes: int, world_size: int, dtype_name: str, model: CostModel, timed_calls: int | None
 ) -> Trials:
-    """The trials of one kind of call: the model's close candidates, each timed in enough blocks."""
+    """The trials of one kind of call: the model's close candidates and the blocks of a finalist."""
     found = candidates(op, nbytes, world_size, dtype_name, model)
     together = sum(predict(op, a, nbytes, world_size, dtype_name, model) for a in found)
     return Trials(found, blocks_per_candidate(together, timed_calls))
@@ -104,41 +117,64 @@ def call_kind(op: str, nbytes: int, dtype_name: str) -> tuple[str, str, int]:
 
 @dataclass
 class Trials:
-    """One kind of call: its candidates, their timings so far, and the winner once agreed."""
+    """One kind of call: its candidates, their timings so far, and the winner once agreed.
+
+    A round is a turn of blocks for the candidates still running; with more than FINALISTS
+    candidates (and blocks to split) the first round runs ceil(blocks / 2) of them, the second the
+    rest for the finalists only. Every rank counts the same calls, so all reach each agreement at
+    the same call.
+    """
 
     candidates: tuple[str, ...]
-    blocks: int  # per candidate; each block times TIMED_PER_BLOCK calls
+    blocks: int  # per finalist, both rounds together; each block times TIMED_PER_BLOCK calls
     seconds: dict[str, list[float]] = field(default_factory=dict)
     winner: str | None = None
-    calls: int = 0
+    calls: int = 0  # trial calls so far, both rounds
+    running: tuple[str, ...] = ()  # the candidates taking turns in this round
+    round_blocks: int = 0  # blocks each of them runs in this round
+    round_start: int = 0  # trial calls made before this round
+    final_round: bool = True
 
     def __post_init__(self) -> None:
         if len(self.candidates) == 1 or self.blocks == 0:
             self.winner = self.candidates[0]
+            return
+        self.running = self.candidates
+        self.final_round = len(self.candidates) <= FINALISTS or self.blocks == 1
+        self.round_blocks = self.blocks if self.final_round else math.ceil(self.blocks / 2)
 
     def next_candidate(self) -> str:
         """The candidate the next trial call runs: blocks take turns, so load drift hits all alike."""
-        return self.candidates[self.calls // BLOCK_CALLS % len(self.candidates)]
+        return self.running[(self.calls - self.round_start) // BLOCK_CALLS % len(self.running)]
 
     def record(self, algorithm: str, seconds: float) -> None:
         """Count a trial call; its time is kept unless it opened its block."""
-        if self.calls % BLOCK_CALLS:
+        if (self.calls - self.round_start) % BLOCK_CALLS:
             self.seconds.setdefault(algorithm, []).append(seconds)
         self.calls += 1
 
     def ready_to_agree(self) -> bool:
-        return self.winner is None and self.calls >= BLOCK_CALLS * self.blocks * len(self.candidates)
+        """Whether this round's calls are all made (then every rank agrees at this same call)."""
+        done = self.calls - self.round_start >= BLOCK_CALLS * self.round_blocks * len(self.running)
+        return self.winner is None and done
 
     def local_seconds(self) -> list[float]:
-        """This rank's timed trial calls, candidate after candidate (what the ranks add up)."""
-        return [s for a in self.candidates for s in self.seconds[a]]
+        """This rank's timed calls of the running candidates, in both rounds, candidate after
+        candidate (what the ranks add up)."""
+        return [s for a in self.running for s in self.seconds[a]]
 
-    def agree(self, summed_seconds: list[float]) -> str:
-        """Keep the candidate with the least median; the input is local_seconds() summed over the
-        ranks, identical on every rank, so every rank keeps the same one."""
-        k = self.blocks * TIMED_PER_BLOCK
-        chunks = [summed_seconds[i * k : (i + 1) * k] for i in range(len(self.candidates))]
-        medians = [statistics.median(chunk) for chunk in chunks]
-        best = min(range(len(self.candidates)), key=lambda i: (medians[i], i))
-        self.winner = self.candidates[best]
+    def agree(self, summed_seconds: list[float]) -> str | None:
+        """Rank the running candidates by the median of their calls; the input is local_seconds()
+        summed over the ranks, identical on every rank, so every rank ranks alike. After the first
+        round of a race the FINALISTS go on (in the model's order) and this returns None; after the
+        final round the least median is the winner (ties: the model's order)."""
+        k = len(summed_seconds) // len(self.running)
+        medians = [statistics.median(summed_seconds[i * k : (i + 1) * k]) for i in range(len(self.running))]
+        ranked = sorted(range(len(self.running)), key=lambda i: (medians[i], i))
+        if not self.final_round:
+            self.running = tuple(self.running[i] for i in sorted(ranked[:FINALISTS]))
+            self.round_start, self.round_blocks = self.calls, self.blocks - self.round_blocks
+            self.final_round = True
+            return None
+        self.winner = self.running[ranked[0]]
         return self.winner
