@@ -69,7 +69,7 @@ MAX_BLOCKS = 12
 
 # Candidates are the algorithms predicted within this factor of the model's best. The model's
 # latency term is alpha per dependent step, which makes the ring (2(n-1) steps) look slow for
-# small messages: under the 19 calibrations of bench/results/allreduce_world4_repeats.txt it
+# small messages: under the 19 calibrations in bench/results/allreduce_world4_repeats.txt at 75244ee it
 # predicts the 4-rank ring at 2.98-3.00x rd at 4 KiB and 1.35-2.47x the best at 1 MiB. Measured in
 # a stream of calls the ring was the fastest at both: in the nine runs with factor 2.0, which left
 # it out there, the ring alone had 1.60x native's busbw at 4 KiB against 1.33x for what auto kept,
