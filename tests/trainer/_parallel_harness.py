@@ -4,7 +4,8 @@ Spawning a process group costs seconds on this machine, so each `run_world(world
 spawns the group once and runs many cases in it. A case is a plain dict (picklable):
 
     name, model ("gpt" | "mlp"), config (ParallelConfig kwargs), steps, batch (global batch size),
-    optimizer ("adamw" | "sgd"), lr, grad_clip, measure ("memory" | "activations" | None)
+    optimizer ("adamw" | "sgd"), lr, grad_clip, measure ("memory" | "activations" | None),
+    tie (mlp only: its two hidden layers share one weight, a parameter tied across blocks)
 
 Every rank returns, per case: the loss of each step, the model shards it reports through
 `state_shards()` (so the final parameters are assembled from what a checkpoint would write) and
@@ -20,7 +21,7 @@ import os
 import tempfile
 import time
 import traceback
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -37,7 +38,11 @@ def build_model(case: dict[str, Any]) -> nn.Module:
     torch.manual_seed(case.get("seed", 0))
     if case.get("model", "gpt") == "gpt":
         return GPT(GPTConfig(**{**GPT_SMALL, **case.get("model_kwargs", {})}))
-    return MLP(MLPConfig(**{**MLP_SMALL, **case.get("model_kwargs", {})}))
+    mlp = MLP(MLPConfig(**{**MLP_SMALL, **case.get("model_kwargs", {})}))
+    if case.get("tie"):
+        hidden = cast(nn.Sequential, mlp.layers[2])
+        hidden[0].weight = cast(nn.Sequential, mlp.layers[1])[0].weight
+    return mlp
 
 
 def make_optimizer(case: dict[str, Any], params: list[nn.Parameter]) -> torch.optim.Optimizer:
@@ -66,7 +71,7 @@ def reference(case: dict[str, Any]) -> tuple[list[float], dict[str, torch.Tensor
 
     Cached: many cases (every algorithm, accumulation, checkpointing) share one reference.
     """
-    keys = ("model", "model_kwargs", "optimizer", "lr", "steps", "batch", "seed")
+    keys = ("model", "model_kwargs", "optimizer", "lr", "steps", "batch", "seed", "tie")
     key = repr(([case.get(k) for k in keys], case.get("config", {}).get("grad_clip")))
     if key not in _REFERENCES:
         _REFERENCES[key] = _train_reference(case)

@@ -95,3 +95,11 @@ def test_extra_state_is_identical_on_every_rank() -> None:
         extras = [r[name]["extras"][-1] for r in pc.results(3)]
         assert extras[0]["optim"]["tensor_states"] == ["exp_avg", "exp_avg_sq"]
         assert all(e == extras[0] for e in extras), name
+
+
+def test_zero3_rejects_a_weight_tied_across_blocks_naming_it() -> None:
+    results = h.run_world(2, [pc.TIED_REJECTED["zero3"]])
+    for rank, result in enumerate(results):
+        error = result["tied-zero3"].get("error", "")
+        for words in ("ValueError", "'layers.1.0.weight' is used by blocks 1 and 2", "zero_stage=1 or 2"):
+            assert words in error, (rank, words, error)

@@ -49,3 +49,16 @@ def test_extra_state_is_identical_on_every_stage() -> None:
     extras = [r["pp2-1f1b-native"]["extras"][-1] for r in pc.results(4)]
     assert extras[0]["pipeline_stages"] == 2
     assert all(e == extras[0] for e in extras)
+
+
+def test_a_weight_tied_across_stages_is_rejected_naming_it() -> None:
+    # Unchecked, each stage trained its own copy: the loss left the single process's after step 1.
+    results = h.run_world(2, [pc.TIED_REJECTED["pipeline"]])
+    for rank, result in enumerate(results):
+        error = result["tied-pp2"].get("error", "")
+        for words in (
+            "ValueError",
+            "'layers.1.0.weight' is used on stages 0 and 1",
+            "pipeline_stages so that its uses share a stage",
+        ):
+            assert words in error, (rank, words, error)

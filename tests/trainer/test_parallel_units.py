@@ -9,7 +9,7 @@ from torch import nn
 from dtjob.trainer.models import GPT, MLP, GPTConfig, MLPConfig
 from dtjob.trainer.parallel import ParallelConfig, parallelize
 from dtjob.trainer.parallel.comm import Comm
-from dtjob.trainer.parallel.common import blocks_in_order, split_batch, split_range
+from dtjob.trainer.parallel.common import blocks_in_order, parameter_shared_across, split_batch, split_range
 from dtjob.trainer.parallel.ddp import assign_buckets
 from dtjob.trainer.parallel.ddp.buckets import MiB
 from dtjob.trainer.parallel.pipeline import Action, schedule_actions, split_stages
@@ -122,3 +122,16 @@ def test_comm_rejects_unknown_algorithm_and_parallelize_needs_a_process_group() 
         Comm("tree")
     with pytest.raises(RuntimeError, match="init_process_group"):
         parallelize(nn.Linear(2, 2), ParallelConfig(), lambda p: torch.optim.SGD(p, lr=0.1))
+
+
+def test_a_parameter_shared_across_groups_is_found_by_name_and_groups() -> None:
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3), nn.Linear(3, 3), nn.Linear(3, 2))
+    blocks = list(model)
+    assert parameter_shared_across(model, [[b] for b in blocks]) is None
+    model[2].weight = model[0].weight  # tied: blocks 0 and 2
+    assert parameter_shared_across(model, [[b] for b in blocks]) == ("0.weight", 0, 2)
+    # Within one group (a pipeline stage holding both blocks) it is no problem.
+    assert parameter_shared_across(model, [blocks[:3], blocks[3:]]) is None
+    assert parameter_shared_across(model, [blocks[:2], blocks[2:]]) == ("0.weight", 0, 1)
+    model[0].weight.requires_grad_(False)  # frozen: never sharded or updated, so sharing is harmless
+    assert parameter_shared_across(model, [[b] for b in blocks]) is None

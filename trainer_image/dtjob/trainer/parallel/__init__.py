@@ -14,12 +14,13 @@ size loads into another strategy at another (the pipeline needs the same stage c
 Layout: comm.py (the data path: dtjob collectives or native), common.py (shared pieces),
 ddp/, fsdp/ (ZeRO 1/2/3), pipeline/ (GPipe, 1F1B, DP x PP).
 
-Limits: a parameter shared between two blocks (tied embedding and head) is not supported by
-ZeRO-3 or the pipeline, which own each parameter in exactly one block; ZeRO gives the
-single-process result only for elementwise optimizers (SGD, Adam, AdamW, ...), since it updates
-flat shards; the optimizer sees one parameter group (the factory receives the parameters only);
-pipeline stages exchange a single tensor; every batch must split evenly (across ranks,
-grad_accum parts and micro-batches), so that means of means equal the global mean.
+Limits: ZeRO-3 and the pipeline own each parameter in exactly one block (stage), so they reject a
+parameter shared between two blocks (tied embedding and head; the pipeline only when the blocks
+fall on different stages) with a ValueError naming it, while DDP and ZeRO-1/2 train it as one;
+ZeRO gives the single-process result only for elementwise optimizers (SGD, Adam, AdamW, ...),
+since it updates flat shards; the optimizer sees one parameter group (the factory receives the
+parameters only); pipeline stages exchange a single tensor; every batch must split evenly (across
+ranks, grad_accum parts and micro-batches), so that means of means equal the global mean.
 """
 
 from __future__ import annotations

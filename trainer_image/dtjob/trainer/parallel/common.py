@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -45,6 +45,29 @@ def blocks_in_order(model: nn.Module) -> list[nn.Module]:
     if not blocks:
         raise ValueError(f"{type(model).__name__}.blocks_in_order() returned no blocks")
     return blocks
+
+
+def parameter_shared_across(
+    model: nn.Module, groups: Sequence[Sequence[nn.Module]]
+) -> tuple[str, int, int] | None:
+    """A trainable parameter that modules of two different `groups` use: its name in `model` and
+    the two group indices (first found), or None. (A frozen one is never sharded or updated.)
+
+    ZeRO-3 (a group per block) and the pipeline (a group per stage) keep each parameter in one
+    group. A weight tied across groups would be freed while the other group still needs it
+    (ZeRO-3), or silently train as one copy per stage (the pipeline).
+    """
+    names = {id(p): name for name, p in model.named_parameters()}
+    owner: dict[int, int] = {}
+    for index, group in enumerate(groups):
+        for module in group:
+            for p in module.parameters():
+                if not p.requires_grad:
+                    continue
+                first = owner.setdefault(id(p), index)
+                if first != index:
+                    return names.get(id(p), "?"), first, index
+    return None
 
 
 def split_batch(

@@ -57,6 +57,15 @@ class FSDPStrategy(common.DataParallel):
             blocks = common.blocks_in_order(model)
         except TypeError:
             blocks = [model]  # one unit: ZeRO-3 then gathers the whole model at once
+        shared = common.parameter_shared_across(model, [[b] for b in blocks]) if self.stage == 3 else None
+        if shared is not None:
+            name, first, second = shared
+            raise ValueError(
+                f"ParallelConfig(strategy='fsdp', zero_stage=3): parameter {name!r} is used by blocks "
+                f"{first} and {second} of blocks_in_order(), but ZeRO-3 gathers and frees each block's "
+                "parameters on their own; untie it (give each block its own copy), or use zero_stage=1 "
+                "or 2, or strategy='ddp'"
+            )
         if config.activation_checkpointing:
             common.apply_activation_checkpointing(blocks)
         self.units, self.block_units, self.root_unit = self._make_units(model, blocks)

@@ -117,7 +117,18 @@ class PipelineStrategy:
 
         blocks = common.blocks_in_order(model)
         costs = [sum(p.numel() for p in b.parameters()) for b in blocks]
-        lo, hi = split_stages(len(blocks), P, costs)[self.stage]
+        spans = split_stages(len(blocks), P, costs)
+        shared = common.parameter_shared_across(model, [blocks[a:b] for a, b in spans])
+        if shared is not None:
+            name, first, second = shared
+            raise ValueError(
+                f"ParallelConfig(strategy='pipeline', pipeline_stages={P}): parameter {name!r} is used "
+                f"on stages {first} and {second} (blocks {spans[first][0]}-{spans[first][1] - 1} and "
+                f"{spans[second][0]}-{spans[second][1] - 1} of blocks_in_order()), and each stage would "
+                "train its own copy; untie it, choose pipeline_stages so that its uses share a stage, "
+                "or use strategy='ddp', or 'fsdp' with zero_stage 1 or 2"
+            )
+        lo, hi = spans[self.stage]
         self.module = Stage(blocks[lo:hi])
         owned = {id(p) for p in self.module.parameters()}
         self.named_params = {n: p for n, p in model.named_parameters() if id(p) in owned and p.requires_grad}
