@@ -43,6 +43,10 @@ atexit.register(shutil.rmtree, CHECKPOINTS, ignore_errors=True)
 MEMORY_MODEL = {"vocab": 64, "width": 64, "depth": 2, "heads": 4, "seq_len": 16}
 
 
+# The MLP with its two hidden layers sharing one weight (see _parallel_harness.build_model).
+TIED = {"model": "mlp", "tie": True}
+
+
 def _c(name: str, **config: Any) -> dict[str, Any]:
     return {"name": name, "config": config}
 
@@ -85,11 +89,10 @@ def exact_cases(world: int) -> list[dict[str, Any]]:
     ]
     # A weight shared by two blocks (the MLP's hidden layers): DDP and ZeRO-1/2 train it as one
     # parameter. ZeRO-3 and the pipeline reject it (TIED_REJECTED).
-    tied = {"model": "mlp", "tie": True}
     cases += [
-        {**_c("tied-ddp", strategy="ddp", collective=last), **tied},
-        {**_c("tied-zero1", strategy="fsdp", zero_stage=1, collective=last), **tied},
-        {**_c("tied-zero2", strategy="fsdp", zero_stage=2, collective=last), **tied},
+        {**_c("tied-ddp", strategy="ddp", collective=last), **TIED},
+        {**_c("tied-zero1", strategy="fsdp", zero_stage=1, collective=last), **TIED},
+        {**_c("tied-zero2", strategy="fsdp", zero_stage=2, collective=last), **TIED},
     ]
     layouts = {2: [2], 3: [], 4: [4, 2]}[world]  # stages P; world 4 with P=2 is DP x PP = 2 x 2
     for stages in layouts:
@@ -123,12 +126,8 @@ def exact_cases(world: int) -> list[dict[str, Any]]:
 
 # Each in a world of 2 of its own: parallelize raises, and a worker stops at its first error.
 TIED_REJECTED = {
-    "zero3": {**_c("tied-zero3", strategy="fsdp", zero_stage=3), "model": "mlp", "tie": True},
-    "pipeline": {
-        **_c("tied-pp2", strategy="pipeline", pipeline_stages=2, microbatches=2),
-        "model": "mlp",
-        "tie": True,
-    },
+    "zero3": {**_c("tied-zero3", strategy="fsdp", zero_stage=3), **TIED},
+    "pipeline": {**_c("tied-pp2", strategy="pipeline", pipeline_stages=2, microbatches=2), **TIED},
 }
 
 

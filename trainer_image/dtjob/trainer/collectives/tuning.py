@@ -133,15 +133,18 @@ class Trials:
     running: tuple[str, ...] = ()  # the candidates taking turns in this round
     round_blocks: int = 0  # blocks each of them runs in this round
     round_start: int = 0  # trial calls made before this round
-    final_round: bool = True
 
     def __post_init__(self) -> None:
         if len(self.candidates) == 1 or self.blocks == 0:
             self.winner = self.candidates[0]
             return
         self.running = self.candidates
-        self.final_round = len(self.candidates) <= FINALISTS or self.blocks == 1
         self.round_blocks = self.blocks if self.final_round else math.ceil(self.blocks / 2)
+
+    @property
+    def final_round(self) -> bool:
+        """No race, or its second round: at most FINALISTS run, or one block cannot be split."""
+        return len(self.running) <= FINALISTS or self.blocks == 1
 
     def next_candidate(self) -> str:
         """The candidate the next trial call runs: blocks take turns, so load drift hits all alike."""
@@ -174,7 +177,6 @@ class Trials:
         if not self.final_round:
             self.running = tuple(self.running[i] for i in sorted(ranked[:FINALISTS]))
             self.round_start, self.round_blocks = self.calls, self.blocks - self.round_blocks
-            self.final_round = True
             return None
         self.winner = self.running[ranked[0]]
         return self.winner
