@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from dtjob.trainer.collectives.selection import ALGORITHMS, CostModel, choose, predict
 from dtjob.trainer.collectives.tuning import (
+    BANDWIDTH_FACTOR,
     BLOCK_CALLS,
     FINALISTS,
     MAX_BLOCKS,
@@ -32,9 +35,22 @@ def test_candidates_start_with_the_models_choice_and_keep_only_close_ones(op: st
     found = candidates(op, nbytes, 4, "float32", MODEL)
     assert found[0] == choose(op, nbytes, 4, "float32", MODEL)
     best = predict(op, found[0], nbytes, 4, "float32", MODEL)
+    bytes_only = replace(MODEL, alpha=0.0, overhead=0.0)
     for algorithm in ALGORITHMS[op]:
         close = predict(op, algorithm, nbytes, 4, "float32", MODEL) <= TRIAL_FACTOR * best
-        assert (algorithm in found) == close, (algorithm, found)
+        light = predict(op, algorithm, nbytes, 4, "float32", bytes_only) <= BANDWIDTH_FACTOR * best
+        assert (algorithm in found) == (close and light), (algorithm, found)
+
+
+def test_rd_is_not_timed_where_its_bytes_alone_outweigh_the_best() -> None:
+    # rd moves the whole vector log2(n) times, the others (n-1)/n of it twice: with latency out of
+    # the way (64 MiB) it cannot win; where latency decides (4 KiB) it is the model's first choice.
+    large = candidates("allreduce", 64 * MiB, 4, "float32", MODEL)
+    assert "rd" not in large and {"ring", "hd", "direct"} <= set(large)
+    assert candidates("allreduce", 4 * KiB, 4, "float32", MODEL)[0] == "rd"
+    bytes_only = replace(MODEL, alpha=0.0, overhead=0.0)
+    best = predict("allreduce", large[0], 64 * MiB, 4, "float32", MODEL)
+    assert predict("allreduce", "rd", 64 * MiB, 4, "float32", bytes_only) > BANDWIDTH_FACTOR * best
 
 
 def test_the_ring_is_timed_for_a_tiny_all_reduce_on_4_ranks_but_not_on_8() -> None:

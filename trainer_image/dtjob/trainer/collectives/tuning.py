@@ -5,7 +5,8 @@ where they are close: on the 2-vCPU VM of bench/results its constants scatter fr
 to the next (calibration.py), and its pick at 1-8 MiB flipped between rd, hd and direct, once
 costing a fifth of the bandwidth. So for each kind of call - op, dtype and size within a power of
 two - the first calls cycle through every algorithm the model puts within TRIAL_FACTOR of its
-best, in blocks of BLOCK_CALLS calls: the first settles in, the others are timed on every rank.
+best (and whose bytes alone are within BANDWIDTH_FACTOR of it), in blocks of BLOCK_CALLS calls:
+the first settles in, the others are timed on every rank.
 (A call's time includes waiting for the ranks the previous call left behind: timed right after a
 call of its own, a candidate pays for the stagger it leaves itself, as it will in a stream of
 calls - DDP's buckets, FSDP's layers - and not for another candidate's.) Then one small all-reduce
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from dtjob.trainer.collectives.comm import whole_number_from_env
 from dtjob.trainer.collectives.selection import ALGORITHMS, CostModel, predict
@@ -37,7 +38,7 @@ BLOCK_CALLS = 5
 TIMED_PER_BLOCK = BLOCK_CALLS - 1
 
 # Blocks per finalist: as many as the model predicts fit in TRIAL_SECONDS if every candidate of
-# the kind ran them all, within [MIN_BLOCKS, MAX_BLOCKS] - 12 to 48 timed calls; the others run
+# the kind ran them all, within [MIN_BLOCKS, MAX_BLOCKS] - 16 to 48 timed calls; the others run
 # about half, so with four candidates the race spends about three quarters of the budget. A
 # call's time here jumps in 4 ms steps when a waiting vCPU halts (bench/collectives.py), most of a
 # 1 MiB call, so small calls need many samples and large ones (whose ranking is steady) few.
@@ -49,7 +50,7 @@ TIMED_PER_BLOCK = BLOCK_CALLS - 1
 #     3 each                           1.096   1.154   1.014   12
 #     8 each (the previous rule)       1.065   1.030   1.004   32
 #     12 each                          1.046   1.015   1.004   48
-#     race: 2, then 1 (as from 16 MiB) 1.099   1.227   1.014   10
+#     race: 2, then 1                  1.099   1.227   1.014   10
 #     race: 4, then 4                  1.065   1.060   1.004   24
 #     race: 6, then 6 (this rule)      1.046   1.015   1.004   36
 #
@@ -58,13 +59,20 @@ TIMED_PER_BLOCK = BLOCK_CALLS - 1
 # and 16 MiB and better at 4 KiB (1.024 against 1.042), and 2 + 1 as well as 3 each at 16 MiB
 # (1.011). The lower quartile, the median of block means and 9 calls in blocks of 2 (the rule
 # before those) did no better than the median.
-# Trials cost a kind's first calls, once. Measured on 4 ranks (two runs; the previous rule in
-# brackets): 0.6 s at 4 KiB, 181 calls (0.4 s), 0.8 s at 1 MiB (0.7 s), 1.3-1.5 s at 4 MiB
-# (1.6 s), 1.9 s at 16 MiB, 51 calls (2.1 s), 7.2-7.5 s at 64 MiB (8.2 s). At 1 MiB the extra
-# 0.13 s is repaid by a 2% faster pick of a 4 ms call after ~1600 calls of the kind.
+# From 16 MiB on 4 ranks the budget allows MIN_BLOCKS. Sets recorded there (15 at 16 MiB, 12 at
+# 64 MiB, 6 blocks of every candidate, 30 draws of blocks per set): racing 2 then 1 kept a slower
+# algorithm in 1.3% and 0.6% of the draws (1.0015 and 1.0003), 2 then 2 in 0.4% and 0%. The live
+# bench kept direct (4-11% slower than the ring in the same run) in 5 of 56 picks at 16 and 64 MiB
+# (28 runs), which these steady-state sets do not reproduce; the fourth block is cheap insurance,
+# paid for by leaving rd out there (BANDWIDTH_FACTOR).
+# Trials cost a kind's first calls, once. Measured on 4 ranks, two runs each: 0.6 s at 4 KiB
+# (181 calls), 0.8-0.9 s at 1 MiB, 0.8-2.0 s at 4 MiB (81-181 calls: the calibration sets the
+# blocks), 1.7-2.5 s at 16 MiB (51-76 calls) and 6.7-6.8 s at 64 MiB (51 calls). With rd timed
+# and 3 blocks from 16 MiB (the rule before): 2.0 s and 7.2-7.4 s. At 1 MiB 12 blocks rather
+# than 8 cost 0.13 s more, repaid by a 2% faster pick of a 4 ms call after ~1600 calls of the kind.
 FINALISTS = 2
 TRIAL_SECONDS = 1.5
-MIN_BLOCKS = 3
+MIN_BLOCKS = 4
 MAX_BLOCKS = 12
 
 # Candidates are the algorithms predicted within this factor of the model's best. The model's
@@ -76,6 +84,17 @@ MAX_BLOCKS = 12
 # and 1.19x against 1.01x at 1 MiB. With 3.5 the ring is timed at every size on 4 ranks; on 8
 # (14 ring steps against rd's 3) it still is not for small calls.
 TRIAL_FACTOR = 3.5
+
+# ... but only those whose bytes alone - the model's beta and gamma terms, no latency - are predicted
+# within BANDWIDTH_FACTOR of the best's whole time: the model gets bytes right, latency wrong.
+# rd moves the whole vector log2(n) times where the others move (n-1)/n of it twice. On 4 ranks
+# its bytes alone come to 1.19-1.30x the best's time at 16 MiB and 1.31-1.38x at 64 MiB (the 10
+# calibrations in bench/results/allreduce_world4_repeats.txt at 97e4b59), and it took 1.72x the
+# ring's time at 16 MiB and 1.61x at 64 MiB (15 and 12 sets of 6 blocks each). It never won a
+# trial there, and its 8 timed calls cost 0.4 s at 16 MiB and 1.7 s at 64 MiB. At 4 MiB its bytes
+# come to 0.84-1.12x, so it is still timed; on 8 ranks (three doublings) it is left out from
+# 4-16 MiB. The ring, hd and direct move the same bytes (0.85-0.99x), so the trials still decide.
+BANDWIDTH_FACTOR = 1.15
 
 
 def trials_from_env() -> int | None:
@@ -89,7 +108,13 @@ def candidates(op: str, nbytes: int, world_size: int, dtype_name: str, model: Co
     predicted = {a: predict(op, a, nbytes, world_size, dtype_name, model) for a in ALGORITHMS[op]}
     ranked = sorted(ALGORITHMS[op], key=lambda a: (predicted[a], ALGORITHMS[op].index(a)))
     best = predicted[ranked[0]]
-    return tuple(a for a in ranked if predicted[a] <= TRIAL_FACTOR * best)
+    bytes_only = replace(model, alpha=0.0, overhead=0.0)
+    return tuple(
+        a
+        for a in ranked
+        if predicted[a] <= TRIAL_FACTOR * best
+        and predict(op, a, nbytes, world_size, dtype_name, bytes_only) <= BANDWIDTH_FACTOR * best
+    )
 
 
 def blocks_per_candidate(predicted_seconds: float, timed_calls: int | None) -> int:
