@@ -91,9 +91,10 @@ TRIAL_FACTOR = 3.5
 # its bytes alone come to 1.19-1.30x the best's time at 16 MiB and 1.31-1.38x at 64 MiB (the 10
 # calibrations in bench/results/allreduce_world4_repeats.txt at 97e4b59), and it took 1.72x the
 # ring's time at 16 MiB and 1.61x at 64 MiB (15 and 12 sets of 6 blocks each). It never won a
-# trial there, and its 8 timed calls cost 0.4 s at 16 MiB and 1.7 s at 64 MiB. At 4 MiB its bytes
-# come to 0.84-1.12x, so it is still timed; on 8 ranks (three doublings) it is left out from
-# 4-16 MiB. The ring, hd and direct move the same bytes (0.85-0.99x), so the trials still decide.
+# trial there, and its two blocks (10 calls) took 0.5 s at 16 MiB and 2.0 s at 64 MiB. At 4 MiB
+# its bytes come to 0.84-1.12x, so it is still timed. On 8 ranks (three doublings) they come to
+# 1.42-1.76x from 16 MiB on, and 0.90-1.41x at 4 MiB, where some calibrations leave it out.
+# The ring, hd and direct move the same bytes (0.85-0.99x), so the trials still decide.
 BANDWIDTH_FACTOR = 1.15
 
 
