@@ -30,7 +30,6 @@ import datetime
 import json
 import multiprocessing as mp
 import os
-import random
 import statistics
 import sys
 import tempfile
@@ -52,6 +51,26 @@ def _sizes(min_bytes: int, max_bytes: int) -> list[int]:
         sizes.append(size)
         size *= 4
     return sizes
+
+
+def balanced_orders(items: tuple[str, ...]) -> list[list[str]]:
+    """Orders in which to time `items`, one per run, balanced for what ran just before (a Williams
+    design): over one cycle of these orders every item comes first equally often, and right after
+    each other item equally often - twice per cycle of 2n orders for an odd count n, once per n
+    for an even one. (The seeded shuffles used before, the same 15 in every invocation, put the
+    ring right after hd 6 times of 15 and auto right after direct 5 times but after hd once.)"""
+    n = len(items)
+    first, low, high = [0], 1, n - 1
+    while len(first) < n:  # 0, 1, n-1, 2, n-2, ...: every step between neighbours differs
+        first.append(low)
+        low += 1
+        if len(first) < n:
+            first.append(high)
+            high -= 1
+    rows = [[(x + shift) % n for x in first] for shift in range(n)]
+    if n % 2:
+        rows += [row[::-1] for row in rows]
+    return [[items[x] for x in row] for row in rows]
 
 
 def _bus_factor(op: str, n: int) -> float:
@@ -134,16 +153,19 @@ def _rank_main(rank: int, n: int, store: str, config: dict[str, Any], out: Any) 
                 vector_bytes = (count if op == "allreduce" else total) * esize
                 while impl == "auto" and not _auto_settled(op, vector_bytes):
                     _call(impl, op, buf, big, small)
+            orders = balanced_orders(tuple(config["impls"]))
             for run in range(config["runs"]):
-                # A fresh order every run, the same on every rank (seeded by the run): a sample's
-                # time depends on what ran just before it. Rotating one fixed order kept every
-                # implementation behind the same neighbour - the ring always behind native - and
-                # that neighbour's leftovers stayed in its numbers: the same ring, 4 ranks, 16 MiB,
-                # 80 rounds, measured 0.977x native timed right after native and 1.001x timed right
-                # after itself. One untimed call after the barrier takes what is left of them.
-                order = list(config["impls"])
-                random.Random(run).shuffle(order)
-                for impl in order:
+                # A different order every run, the same on every rank (balanced_orders): a
+                # sample's time depends on what ran just before it. Rotating one fixed order kept
+                # every implementation behind the same neighbour - the ring always behind native -
+                # and that neighbour's leftovers stayed in its numbers: the same ring, 4 ranks,
+                # 16 MiB, 80 rounds, measured 0.977x native timed right after native and 1.001x
+                # timed right after itself. One untimed call after the barrier takes most of what
+                # is left of them, not all: in 20 runs of 15 samples (4 ranks, all-reduce), native
+                # took 1.05x the run's median ring time at 1 MiB right after direct (20 samples)
+                # and 1.16x first after the barrier (60); at 16 MiB 0.99x right after the ring
+                # (100) and 1.01x right after direct (20).
+                for impl in orders[run % len(orders)]:
                     dist.barrier()
                     _call(impl, op, buf, big, small)
                     start, cpu_start = time.perf_counter(), time.process_time()
@@ -298,7 +320,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS))
     parser.add_argument("--min-bytes", type=int, default=1 << 10)
     parser.add_argument("--max-bytes", type=int, default=64 << 20)
-    parser.add_argument("--runs", type=int, default=5, help="timed repetitions per point (median reported)")
+    parser.add_argument(
+        "--runs",
+        type=int,
+        default=5,
+        help="timed repetitions per point (median reported); a multiple of 10 (of 2x the number of "
+        "--impls if odd, else of it) balances which implementation each one follows",
+    )
     parser.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS), help="what to time")
     parser.add_argument("--quick", action="store_true", help="world size 4 only, 3 runs")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "collectives.json")
