@@ -131,6 +131,7 @@ def _rank_main(rank: int, n: int, store: str, config: dict[str, Any], out: Any) 
     dtype = torch.float32
     esize = 4
     rows = []
+    orders = balanced_orders(tuple(config["impls"]))
     for op in config["ops"]:
         for nbytes in config["sizes"]:
             count = nbytes // esize  # elements of the whole vector
@@ -153,7 +154,6 @@ def _rank_main(rank: int, n: int, store: str, config: dict[str, Any], out: Any) 
                 vector_bytes = (count if op == "allreduce" else total) * esize
                 while impl == "auto" and not _auto_settled(op, vector_bytes):
                     _call(impl, op, buf, big, small)
-            orders = balanced_orders(tuple(config["impls"]))
             for run in range(config["runs"]):
                 # A different order every run, the same on every rank (balanced_orders): a
                 # sample's time depends on what ran just before it. Rotating one fixed order kept

@@ -26,6 +26,7 @@ from dtjob.trainer.collectives.tuning import (
 )
 
 MODEL = CostModel(alpha=50e-6, beta=0.4e-9, gamma={"float32": 0.25e-9}, overhead=20e-6)
+BYTES_ONLY = replace(MODEL, alpha=0.0, overhead=0.0)  # what MODEL charges for the bytes alone
 KiB, MiB = 1 << 10, 1 << 20
 
 
@@ -35,10 +36,9 @@ def test_candidates_start_with_the_models_choice_and_keep_only_close_ones(op: st
     found = candidates(op, nbytes, 4, "float32", MODEL)
     assert found[0] == choose(op, nbytes, 4, "float32", MODEL)
     best = predict(op, found[0], nbytes, 4, "float32", MODEL)
-    bytes_only = replace(MODEL, alpha=0.0, overhead=0.0)
     for algorithm in ALGORITHMS[op]:
         close = predict(op, algorithm, nbytes, 4, "float32", MODEL) <= TRIAL_FACTOR * best
-        light = predict(op, algorithm, nbytes, 4, "float32", bytes_only) <= BANDWIDTH_FACTOR * best
+        light = predict(op, algorithm, nbytes, 4, "float32", BYTES_ONLY) <= BANDWIDTH_FACTOR * best
         assert (algorithm in found) == (close and light), (algorithm, found)
 
 
@@ -48,9 +48,8 @@ def test_rd_is_not_timed_where_its_bytes_alone_outweigh_the_best() -> None:
     large = candidates("allreduce", 64 * MiB, 4, "float32", MODEL)
     assert "rd" not in large and {"ring", "hd", "direct"} <= set(large)
     assert candidates("allreduce", 4 * KiB, 4, "float32", MODEL)[0] == "rd"
-    bytes_only = replace(MODEL, alpha=0.0, overhead=0.0)
     best = predict("allreduce", large[0], 64 * MiB, 4, "float32", MODEL)
-    assert predict("allreduce", "rd", 64 * MiB, 4, "float32", bytes_only) > BANDWIDTH_FACTOR * best
+    assert predict("allreduce", "rd", 64 * MiB, 4, "float32", BYTES_ONLY) > BANDWIDTH_FACTOR * best
 
 
 def test_the_ring_is_timed_for_a_tiny_all_reduce_on_4_ranks_but_not_on_8() -> None:
