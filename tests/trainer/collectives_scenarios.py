@@ -454,6 +454,22 @@ def errors_and_layouts(rank: int, n: int, arg: Any) -> dict[str, Any]:
     return check.result()
 
 
+def aliased_output(rank: int, n: int, per_rank: int) -> dict[str, Any]:
+    """reduce_scatter into a view of its own input: its own chunk, or chunk 0 on every rank. The
+    algorithms read the input while they write the output, and sends of a multi-MiB chunk are still
+    in flight then (direct, 4 ranks, 4 MiB chunks: wrong every time when they were not kept apart)."""
+    check = Checker()
+    want = torch.arange(per_rank * rank, per_rank * (rank + 1), dtype=torch.float64) * n + sum(range(n))
+    for algo in algorithms("reduce_scatter"):
+        for first in (per_rank * rank, 0):
+            whole = torch.arange(per_rank * n, dtype=torch.float64) + rank  # exact sums in float64
+            if rank == 0:
+                time.sleep(0.05)  # a late rank: the others' sends to it wait, reading their input
+            C.reduce_scatter_tensor(whole[first : first + per_rank], whole, algorithm=algo)
+            check.same(f"aliased/{algo}/from {first}", whole[first : first + per_rank], want)
+    return check.result()
+
+
 def trainer_comm_metrics(rank: int, n: int, arg: Any) -> dict[str, Any]:
     """The trainer's Comm with every algorithm choice, as the strategies call it, and the metric
     labels it reports: the algorithm that ran (auto resolved), sync and async alike."""

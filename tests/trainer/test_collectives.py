@@ -73,6 +73,10 @@ def test_bad_arguments_raise_clear_errors_and_odd_layouts_work() -> None:
     _assert_clean(run_world(2, "errors_and_layouts"))
 
 
+def test_reduce_scatter_into_a_view_of_its_own_input() -> None:
+    _assert_clean(run_world(4, "aliased_output", 1 << 19))  # 4 MiB chunks of float64
+
+
 def test_auto_times_its_candidates_in_turn_then_every_rank_keeps_the_same_one() -> None:
     trials = TIMED_PER_BLOCK + 1  # timed calls per candidate: two blocks each
     results = run_world(4, "auto_trials", trials)

@@ -218,18 +218,22 @@ def reduce_scatter_tensor(
         return completed_work([output]) if async_op else None
 
     def job(comm: Comm) -> str:
-        work = comm.scratch(2, input.numel(), input)
-        work.copy_(input.reshape(-1))
+        src = input.reshape(-1)  # a view of a contiguous input, else a copy
+        # The algorithms read src while they write out, so out must not share memory with it.
+        out, copied = _flat(output)
+        if not copied and out.untyped_storage().data_ptr() == src.untyped_storage().data_ptr():
+            out, copied = torch.empty_like(out), True
         bounds = [i * count for i in range(n + 1)]
         algo = _run(
             "reduce_scatter",
             choice,
             runner,
             comm,
-            work,
-            lambda a: _REDUCE_SCATTER[a](comm, work, bounds, reduction),
+            src,
+            lambda a: _REDUCE_SCATTER[a](comm, src, out, bounds, reduction),
         )
-        output.copy_(work[bounds[comm.rank] : bounds[comm.rank + 1]].view(output.shape))
+        if copied:
+            output.copy_(out.view_as(output))
         return algo
 
     return _submit(runner, job, async_op, [output])

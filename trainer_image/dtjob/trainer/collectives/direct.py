@@ -40,10 +40,13 @@ def _exchange_reduce(
     bounds: list[int],
     reduction: Reduction,
     gather_recvs: list[tuple[torch.Tensor, int]],
+    out: torch.Tensor | None = None,
 ) -> list[torch.distributed.Work]:
-    """The reduce-scatter; also posts `gather_recvs` before any send. Returns their receive works."""
+    """The reduce-scatter, in place in buf or, with `out`, into `out` leaving buf as it is; also
+    posts `gather_recvs` before any send. Returns their receive works."""
     n, r = comm.size, comm.rank
     mine = buf[bounds[r] : bounds[r + 1]]
+    total = mine if out is None else out  # where our chunk's sum goes
     width = mine.numel()
     peers = _peers(comm)
     incoming = comm.scratch(0, (n - 1) * width, buf)
@@ -59,25 +62,27 @@ def _exchange_reduce(
     else:  # NCCL: a phase's sends and receives go in one group; the gather's come later
         send_works, reduce_works = comm.post(sends=sends, recvs=recvs)
         gather_works = []
-    if len(reduce_works) == len(recvs):  # one work per message: reduce each as it lands
-        for area, work in zip(areas, reduce_works, strict=True):
-            work.wait()
-            reduction.combine(mine, area)
-    else:  # empty chunks were skipped, or a coalescing backend returned one work for all
+    one_each = len(reduce_works) == len(recvs)  # else a coalescing backend returned one for all
+    if not one_each:
         wait_all(reduce_works)
-        for area in areas:
-            reduction.combine(mine, area)
-    reduction.finish(mine, n)
+    for i, area in enumerate(areas):  # reduce each as it lands
+        if one_each:
+            reduce_works[i].wait()
+        reduction.combine_out(total if i else mine, area, total)
+    reduction.finish(total, n)
     wait_all(send_works)
     return gather_works
 
 
-def reduce_scatter(comm: Comm, buf: torch.Tensor, bounds: list[int], reduction: Reduction) -> None:
-    """In place on the flat `buf`: afterwards chunk `comm.rank` holds the finished reduction."""
+def reduce_scatter(
+    comm: Comm, src: torch.Tensor, out: torch.Tensor, bounds: list[int], reduction: Reduction
+) -> None:
+    """Reduce the flat `src`, left as it is, into `out`: chunk `comm.rank` of the result."""
     if comm.size == 1:
-        reduction.finish(buf[bounds[0] : bounds[1]], 1)
+        out.copy_(src[bounds[0] : bounds[1]])
+        reduction.finish(out, 1)
         return
-    _exchange_reduce(comm, buf, bounds, reduction, gather_recvs=[])
+    _exchange_reduce(comm, src, bounds, reduction, gather_recvs=[], out=out)
 
 
 def _gather_recvs(comm: Comm, buf: torch.Tensor, bounds: list[int]) -> list[tuple[torch.Tensor, int]]:

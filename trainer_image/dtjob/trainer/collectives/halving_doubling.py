@@ -242,7 +242,20 @@ def _unfold(comm: Comm, fold: Fold, region: tuple[int, int] | None, buf: torch.T
         wait_all(rw)
 
 
-def reduce_scatter(comm: Comm, buf: torch.Tensor, bounds: list[int], reduction: Reduction) -> None:
+def reduce_scatter(
+    comm: Comm, src: torch.Tensor, out: torch.Tensor, bounds: list[int], reduction: Reduction
+) -> None:
+    """Reduce the flat `src`, left as it is, into `out`: chunk `comm.rank` of the result.
+
+    Halving sends partial sums on from the region it reduced in place, so this works on a copy.
+    """
+    work = comm.scratch(2, src.numel(), src)
+    work.copy_(src)
+    _reduce_scatter_in_place(comm, work, bounds, reduction)
+    out.copy_(work[bounds[comm.rank] : bounds[comm.rank + 1]])
+
+
+def _reduce_scatter_in_place(comm: Comm, buf: torch.Tensor, bounds: list[int], reduction: Reduction) -> None:
     """In place on the flat `buf`: afterwards chunk `comm.rank` holds the finished reduction."""
     fold = Fold(comm.size)
     vrank = _fold_in(comm, fold, buf, reduction)

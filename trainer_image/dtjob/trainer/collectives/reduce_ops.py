@@ -74,6 +74,10 @@ class Reduction:
         """acc = acc OP incoming, in place."""
         self._binary(acc, incoming, out=acc)
 
+    def combine_out(self, acc: torch.Tensor, incoming: torch.Tensor, out: torch.Tensor) -> None:
+        """out = acc OP incoming (out may be either operand): combine, written elsewhere."""
+        self._binary(acc, incoming, out=out)
+
     def combine_into_second(self, first: torch.Tensor, acc: torch.Tensor) -> None:
         """acc = first OP acc, in place (same operand order as the partner's `combine`)."""
         self._binary(first, acc, out=acc)
