@@ -220,9 +220,9 @@ def reduce_scatter_tensor(
     def job(comm: Comm) -> str:
         src = input.reshape(-1)  # a view of a contiguous input, else a copy
         # The algorithms read src while they write out, so out must not share memory with it.
-        out, copied = _flat(output)
-        if not copied and out.untyped_storage().data_ptr() == src.untyped_storage().data_ptr():
-            out, copied = torch.empty_like(out), True
+        shared = output.untyped_storage().data_ptr() == src.untyped_storage().data_ptr()
+        separate = shared or not output.is_contiguous()
+        out = torch.empty(count, dtype=src.dtype, device=src.device) if separate else output.view(-1)
         bounds = [i * count for i in range(n + 1)]
         algo = _run(
             "reduce_scatter",
@@ -232,7 +232,7 @@ def reduce_scatter_tensor(
             src,
             lambda a: _REDUCE_SCATTER[a](comm, src, out, bounds, reduction),
         )
-        if copied:
+        if separate:
             output.copy_(out.view_as(output))
         return algo
 
