@@ -39,6 +39,7 @@ import datetime
 import json
 import multiprocessing as mp
 import os
+import platform
 import statistics
 import sys
 import tempfile
@@ -348,6 +349,10 @@ def main(argv: list[str] | None = None) -> int:
         "impls": args.impls,
         "runs": args.runs,
     }
+    import torch
+
+    machine = {"torch": torch.__version__, "cpus": os.cpu_count(), "kernel": platform.release()}
+    print(f"# {json.dumps(machine)}")
     started = time.time()
     rows: list[dict[str, Any]] = []
     for n in args.world_sizes:
@@ -362,6 +367,8 @@ def main(argv: list[str] | None = None) -> int:
         "config": {**config, "world_sizes": args.world_sizes},
         "seconds": round(time.time() - started, 1),
         "load_average": os.getloadavg(),
+        # What produced the numbers: native's own speed changes with torch's gloo and the machine.
+        "machine": machine,
         "summary": summary,
         "rows": rows,
     }
