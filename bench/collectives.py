@@ -55,6 +55,20 @@ IMPLS = ("native", "ring", "hd", "direct", "auto")
 RATIO_SIZES = (4 << 10, 1 << 20, 16 << 20, 64 << 20)
 
 
+def _cpu_model() -> str:
+    """The CPU as /proc/cpuinfo names it, with family and model (a VM's name is often the vendor's alone)."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        return platform.processor()
+    name, family, model = (fields.get(k, "?") for k in ("model name", "cpu family", "model"))
+    return f"{name} (family {family}, model {model})"
+
+
 def _sizes(min_bytes: int, max_bytes: int) -> list[int]:
     sizes, size = [], min_bytes
     while size <= max_bytes:
@@ -351,7 +365,12 @@ def main(argv: list[str] | None = None) -> int:
     }
     import torch
 
-    machine = {"torch": torch.__version__, "cpus": os.cpu_count(), "kernel": platform.release()}
+    machine = {
+        "torch": torch.__version__,
+        "cpu": _cpu_model(),
+        "cpus": os.cpu_count(),
+        "kernel": platform.release(),
+    }
     print(f"# {json.dumps(machine)}")
     started = time.time()
     rows: list[dict[str, Any]] = []
