@@ -11,11 +11,11 @@ Same signatures, in-place behaviour and argument order as torch.distributed, plu
 for all_reduce; "tree" for broadcast). Works on gloo and NCCL, any group, any world size, any
 length; results are bitwise identical on every rank.
 
-On CPU tensors the reductions are torch ops, so they use torch's intra-op threads (gloo's own
-reduce in one thread). Where ranks outnumber cores, give each rank one thread
-(`torch.set_num_threads(1)` or OMP_NUM_THREADS=1, as torchrun does): 4 ranks on 2 cores at torch's
-default of 2 threads each took 64 ms per 4 MiB ring all-reduce, against 12 ms with one thread,
-the ranks' OpenMP threads spinning against each other.
+On CPU tensors the reductions are torch ops, so they use torch's intra-op threads (gloo reduces
+in one thread). Where ranks outnumber cores, give each rank one thread (`torch.set_num_threads(1)`
+or OMP_NUM_THREADS=1, as torchrun does): 4 ranks on 2 cores at torch's default of 2 threads each
+took 64 ms per 4 MiB ring all-reduce, against 12 ms with one thread (not profiled; most likely
+the ranks' OpenMP threads spinning against each other).
 """
 
 from dtjob.trainer.collectives.api import (
