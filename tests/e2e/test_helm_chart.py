@@ -384,7 +384,7 @@ def test_volcano_podgroups_need_the_volcano_value(release: None) -> None:
     PodGroup. `helm upgrade --set volcano.enabled=true` adds the rule, and the operator's next
     pass creates it."""
     crd = VOLCANO_FIXTURES / "scheduling.volcano.sh_podgroups.yaml"
-    assert crd.is_file(), f"Volcano's PodGroup CRD is missing: {crd}"
+    assert crd.is_file(), f"Volcano's PodGroup CRD is missing: {crd} (the checkout must sit beside shared/)"
     apply_crd(crd)
     name = "gang"
     job = small_job(name, SLEEPER)
