@@ -113,6 +113,26 @@ def wait_for(what: str, predicate: Callable[[], bool], timeout: float = 60.0, in
     pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
+def volcano_podgroup_crd() -> Path:
+    """Volcano's PodGroup CRD from the shared fixtures (`../shared/fixtures/volcano`, DESIGN.md).
+
+    `shared/` sits beside the work tree; a clone made elsewhere (`git clone . /tmp/x`, as CI does)
+    finds it beside the repository it was cloned from. A missing fixture fails the test: a skip
+    would let CI pass without it.
+    """
+    repo = Path(__file__).resolve().parents[2]
+    origin = subprocess.run(
+        ["git", "-C", str(repo), "remote", "get-url", "origin"], capture_output=True, text=True
+    ).stdout.strip()
+    roots = [repo.parent] + ([Path(origin).resolve().parent] if origin and Path(origin).is_dir() else [])
+    candidates = [
+        root / "shared" / "fixtures" / "volcano" / "scheduling.volcano.sh_podgroups.yaml" for root in roots
+    ]
+    found = next((c for c in candidates if c.is_file()), None)
+    assert found, f"Volcano's PodGroup CRD is missing; looked at {', '.join(map(str, candidates))}"
+    return found
+
+
 def apply_crd(path: Path, timeout: float = 60.0) -> None:
     """Server-side apply a CRD (ours is larger than client-side apply's annotation allows) and
     wait until it is Established. Polled: `kubectl wait --for=condition=Established` fails at

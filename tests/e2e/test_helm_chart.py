@@ -31,13 +31,20 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.e2e.conftest import Devcluster, apply_crd, helm, kubectl, kubectl_json, wait_for
+from tests.e2e.conftest import (
+    Devcluster,
+    apply_crd,
+    helm,
+    kubectl,
+    kubectl_json,
+    volcano_podgroup_crd,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "dtjob"
-VOLCANO_FIXTURES = REPO.parent / "shared" / "fixtures" / "volcano"
 RELEASE = "dtjob-helm"  # contains the chart's name, so the chart names its objects RELEASE
 SYSTEM_NS = "dtjob-helm-system"
 JOBS_NS = "dtjob-helm-jobs"
@@ -383,8 +390,7 @@ def test_volcano_podgroups_need_the_volcano_value(release: None) -> None:
     """volcano.enabled=false (the default) grants no PodGroup rights: a Volcano job gets no
     PodGroup. `helm upgrade --set volcano.enabled=true` adds the rule, and the operator's next
     pass creates it."""
-    crd = VOLCANO_FIXTURES / "scheduling.volcano.sh_podgroups.yaml"
-    assert crd.is_file(), f"Volcano's PodGroup CRD is missing: {crd} (the checkout must sit beside shared/)"
+    crd = volcano_podgroup_crd()
     apply_crd(crd)
     name = "gang"
     job = small_job(name, SLEEPER)

@@ -8,9 +8,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.e2e.conftest import Devcluster, apply_crd, kubectl, kubectl_json, wait_for
+from tests.e2e.conftest import Devcluster, apply_crd, kubectl, kubectl_json, volcano_podgroup_crd, wait_for
 from tests.e2e.operator_harness import (
-    REPO,
     SCRATCH,
     Operator,
     apply,
@@ -25,7 +24,6 @@ from tests.e2e.operator_harness import (
 )
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-VOLCANO_FIXTURES = REPO.parent / "shared" / "fixtures" / "volcano"
 
 
 @pytest.fixture(scope="module")
@@ -87,9 +85,7 @@ def test_a_permanent_exit_code_fails_the_job_at_once(op: Operator) -> None:
 
 
 def test_volcano_job_gets_a_podgroup_of_the_gang_shape(op: Operator) -> None:
-    crd = VOLCANO_FIXTURES / "scheduling.volcano.sh_podgroups.yaml"
-    # A missing fixture fails the test (as in test_helm_chart.py): a skip would pass CI unseen.
-    assert crd.is_file(), f"Volcano's PodGroup CRD is missing: {crd} (the checkout must sit beside shared/)"
+    crd = volcano_podgroup_crd()
     apply_crd(crd)
     priority = "apiVersion: scheduling.k8s.io/v1\nkind: PriorityClass\nmetadata: {name: dtjob-e2e-high}\n"
     priority += "value: 1000\n"
