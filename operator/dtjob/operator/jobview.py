@@ -15,6 +15,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from dtjob import contract
 from dtjob.api.models import (
     API_VERSION,
     GROUP,
@@ -52,8 +53,8 @@ LABEL_GENERATION = "training.dtjob.io/generation"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 MANAGED_BY = "dtjob-operator"
 
-# The exit code of a trainer that stopped cleanly after a checkpoint (DESIGN.md, Trainer contract).
-EXIT_CHECKPOINTED = 75
+# The exit code of a trainer that stopped cleanly after a checkpoint (dtjob.contract).
+EXIT_CHECKPOINTED = contract.EXIT_STOPPED
 
 
 def _get(obj: Mapping[str, Any] | None, *path: str, default: Any = None) -> Any:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import threading
 import time
 import urllib.request
@@ -19,6 +18,7 @@ from typing import Any, cast
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
+from dtjob import contract
 from dtjob.operator.actions import (
     Action,
     ApplyPodGroup,
@@ -48,12 +48,10 @@ CLUSTER_VIEW_TTL_SECONDS = 2.0
 METRICS_TIMEOUT_SECONDS = 1.0
 # Lines of a finished rank 0's log read to find its final step.
 FINAL_LOG_LINES = 20
-# The trainer's closing line (trainer_image/dtjob/trainer/loop.py).
-COMPLETE_LINE = re.compile(r"training complete at step (\d+)(?:; last checkpoint step (\d+) at ([\d.]+))?")
 TRAINER_GAUGES = {
-    "dtjob_trainer_step": "step",
-    "dtjob_trainer_last_checkpoint_step": "checkpoint_step",
-    "dtjob_trainer_last_checkpoint_timestamp_seconds": "checkpoint_time",
+    contract.METRIC_STEP: "step",
+    contract.METRIC_LAST_CHECKPOINT_STEP: "checkpoint_step",
+    contract.METRIC_LAST_CHECKPOINT_TIME: "checkpoint_time",
 }
 
 
@@ -95,16 +93,10 @@ def parse_trainer_metrics(text: str) -> TrainerMetrics:
 def final_state_from_log(text: str) -> TrainerMetrics | None:
     """The final step (and last checkpoint) in a finished trainer's log: its closing "training
     complete at step N; last checkpoint step M at T" line, else its last per-step JSON line."""
+    completion = contract.parse_complete_line(text)
+    if completion is not None:
+        return TrainerMetrics(completion.step, completion.checkpoint_step, completion.checkpoint_time)
     lines = [line.strip() for line in reversed(text.splitlines())]
-    for line in lines:
-        match = COMPLETE_LINE.search(line)
-        if match:
-            step, ckpt_step, ckpt_time = match.groups()
-            return TrainerMetrics(
-                step=int(step),
-                checkpoint_step=None if ckpt_step is None else int(ckpt_step),
-                checkpoint_time=None if ckpt_time is None else float(ckpt_time),
-            )
     for line in lines:
         if line.startswith("{"):
             try:

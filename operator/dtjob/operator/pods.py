@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from decimal import Decimal
 from typing import Any
 
+from dtjob import contract
 from dtjob.operator import worker_defaults
 from dtjob.operator.jobview import (
     API_VERSION,
@@ -56,18 +57,19 @@ def selector_labels(job: JobView) -> dict[str, str]:
 
 
 def _trainer_env(job: JobView, rank: int, world_size: int, generation: int) -> list[dict[str, Any]]:
+    c = contract
     values = {
-        "MASTER_ADDR": master_addr(job),
-        "MASTER_PORT": str(job.master_port),
-        "WORLD_SIZE": str(world_size),
-        "RANK": str(rank),
-        "LOCAL_RANK": "0",
-        "LOCAL_WORLD_SIZE": "1",
-        "DTJOB_JOB_NAME": job.name,
-        "DTJOB_NAMESPACE": job.namespace,
-        "DTJOB_GENERATION": str(generation),
-        "DTJOB_CHECKPOINT_DIR": job.checkpoint_mount_path,
-        "DTJOB_METRICS_PORT": str(job.metrics_port),
+        c.ENV_MASTER_ADDR: master_addr(job),
+        c.ENV_MASTER_PORT: str(job.master_port),
+        c.ENV_WORLD_SIZE: str(world_size),
+        c.ENV_RANK: str(rank),
+        c.ENV_LOCAL_RANK: "0",
+        c.ENV_LOCAL_WORLD_SIZE: "1",
+        c.ENV_JOB_NAME: job.name,
+        c.ENV_NAMESPACE: job.namespace,
+        c.ENV_GENERATION: str(generation),
+        c.ENV_CHECKPOINT_DIR: job.checkpoint_mount_path,
+        c.ENV_METRICS_PORT: str(job.metrics_port),
     }
     return [{"name": k, "value": v} for k, v in values.items()]
 

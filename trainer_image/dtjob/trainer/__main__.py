@@ -13,11 +13,12 @@ import os
 import sys
 import traceback
 
+from dtjob import contract
 from dtjob.trainer.config import EXIT_CONFIG_ERROR, ConfigError, TrainerConfig, parse
 from dtjob.trainer.signals import StopRequest
 
-EXIT_FAILURE = 1
-EXIT_STALE_GENERATION = 3
+EXIT_FAILURE = contract.EXIT_FAILURE
+EXIT_STALE_GENERATION = contract.EXIT_STALE_GENERATION
 
 
 def _fail(code: int, message: str) -> int:

@@ -20,7 +20,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-EXIT_CONFIG_ERROR = 2
+from dtjob import contract
+
+EXIT_CONFIG_ERROR = contract.EXIT_CONFIG_ERROR
 
 
 class ConfigError(Exception):

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from dtjob import contract
 from dtjob.trainer import build, elastic
 from dtjob.trainer.checkpoint import Checkpointer, Loaded
 from dtjob.trainer.comm_metrics import instrument_comm
@@ -33,7 +34,7 @@ from dtjob.trainer.signals import EXIT_STOPPED, StopRequest
 
 log = logging.getLogger("dtjob.trainer")
 
-EXIT_OK = 0
+EXIT_OK = contract.EXIT_OK
 
 # Flags a checkpoint must agree with to be loadable: they decide the tensors' names and shapes.
 _MODEL_FLAGS = ("model", "layers", "dim", "heads", "seq_len")
@@ -230,14 +231,9 @@ class Trainer:
         Also written by a generation that found the work already done (a gang restarted just as
         its predecessor finished), so the job's final step is never a stale scrape."""
         if self.last_saved_step > 0:
-            log.info(
-                "training complete at step %d; last checkpoint step %d at %.3f",
-                self.c.steps,
-                self.last_saved_step,
-                self.last_saved_time,
-            )
+            log.info(contract.complete_line(self.c.steps, self.last_saved_step, self.last_saved_time))
         else:
-            log.info("training complete at step %d", self.c.steps)
+            log.info(contract.complete_line(self.c.steps))
 
 
 def open_output(c: TrainerConfig) -> AbstractContextManager[TextIO]:

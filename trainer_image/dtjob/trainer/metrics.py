@@ -1,7 +1,7 @@
 """Prometheus metrics of one trainer process, served on `--metrics-port` + LOCAL_RANK.
 
-The operator scrapes `dtjob_trainer_step`, `dtjob_trainer_last_checkpoint_step` and
-`dtjob_trainer_last_checkpoint_timestamp_seconds` from rank 0 to fill the job's status. Every
+The operator scrapes the gauges named in `dtjob.contract` (step, last checkpoint step and time)
+from rank 0 to fill the job's status. Every
 metric lives in a registry of its own (not the process-global default), so tests can build
 several `TrainerMetrics` in one interpreter.
 """
@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
+from dtjob import contract
+
 
 class TrainerMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        self.step = Gauge("dtjob_trainer_step", "last completed optimizer step", registry=r)
+        self.step = Gauge(contract.METRIC_STEP, "last completed optimizer step", registry=r)
         self.loss = Gauge("dtjob_trainer_loss", "global mean loss of the last step", registry=r)
         self.learning_rate = Gauge(
             "dtjob_trainer_learning_rate", "learning rate of the last step", registry=r
@@ -25,16 +27,16 @@ class TrainerMetrics:
         self.tokens_per_second = Gauge(
             "dtjob_trainer_tokens_per_second", "global tokens per second of the last step", registry=r
         )
-        self.world_size = Gauge("dtjob_trainer_world_size", "processes in the gang", registry=r)
-        self.generation = Gauge("dtjob_trainer_generation", "gang generation (DTJOB_GENERATION)", registry=r)
+        self.world_size = Gauge(contract.METRIC_WORLD_SIZE, "processes in the gang", registry=r)
+        self.generation = Gauge(contract.METRIC_GENERATION, "gang generation (DTJOB_GENERATION)", registry=r)
         self.rank = Gauge("dtjob_trainer_rank", "this process's rank", registry=r)
         self.last_checkpoint_step = Gauge(
-            "dtjob_trainer_last_checkpoint_step",
+            contract.METRIC_LAST_CHECKPOINT_STEP,
             "step of the newest checkpoint written or loaded",
             registry=r,
         )
         self.last_checkpoint_timestamp = Gauge(
-            "dtjob_trainer_last_checkpoint_timestamp_seconds",
+            contract.METRIC_LAST_CHECKPOINT_TIME,
             "unix time the newest checkpoint was written (or, after a resume, was originally written)",
             registry=r,
         )

@@ -14,7 +14,9 @@ import signal
 import sys
 from types import FrameType
 
-EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped on request after a checkpoint; restart to continue
+from dtjob import contract
+
+EXIT_STOPPED = contract.EXIT_STOPPED
 
 
 class StopRequest:

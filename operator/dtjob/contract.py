@@ -1,0 +1,96 @@
+"""The contract between the dtjob operator and the processes in its worker pods.
+
+One module, imported by both sides (it imports neither torch nor kopf), so a name or a number
+changes in one place. A trainer that is not dtjob's honours the part it can: the environment is
+torchrun's, and exit code 0 / non-zero means what it means everywhere. The rest (exit 75 after a
+checkpoint, the metrics, the closing log line) lets the operator know more; without it the
+operator still runs the job and says in the job's status what it cannot see.
+
+Environment of every trainer process (the operator sets the pod-level ones; dtjob's launcher in
+the pod derives the per-process ones when a pod runs several processes):
+    MASTER_ADDR, MASTER_PORT      rank 0's rendezvous store (rank 0's pod DNS name, spec.masterPort)
+    WORLD_SIZE, RANK              processes in the gang, this process's rank
+    LOCAL_RANK, LOCAL_WORLD_SIZE  rank inside the pod, processes per pod (spec.nprocPerWorker)
+    DTJOB_*                       the names below
+
+Exit codes: see the EXIT_* constants.
+
+Metrics: every process serves Prometheus text on DTJOB_METRICS_PORT + LOCAL_RANK; the operator
+reads the gauges in METRIC_* from global rank 0.
+
+Closing line: rank 0 logs `complete_line(...)` to stderr as its last line when training is
+complete; the operator reads it from the finished pod's log (its metrics endpoint is gone by then).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+# --- exit codes ------------------------------------------------------------------------------
+EXIT_OK = 0  # training complete
+EXIT_FAILURE = 1  # any failure not named below
+EXIT_CONFIG_ERROR = 2  # bad flags, environment or user code; restarting will not help
+EXIT_STALE_GENERATION = 3  # this worker belongs to another generation of the gang than its peers
+EXIT_STOPPED = 75  # stopped on SIGTERM after a checkpoint (EX_TEMPFAIL): restart to continue
+EXIT_PEER_LOST = 76  # a peer stopped answering; this process left so the gang can restart
+
+# --- environment -----------------------------------------------------------------------------
+ENV_MASTER_ADDR = "MASTER_ADDR"
+ENV_MASTER_PORT = "MASTER_PORT"
+ENV_WORLD_SIZE = "WORLD_SIZE"
+ENV_RANK = "RANK"
+ENV_LOCAL_RANK = "LOCAL_RANK"
+ENV_LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
+ENV_JOB_NAME = "DTJOB_JOB_NAME"
+ENV_NAMESPACE = "DTJOB_NAMESPACE"
+ENV_GENERATION = "DTJOB_GENERATION"
+ENV_CHECKPOINT_DIR = "DTJOB_CHECKPOINT_DIR"
+ENV_METRICS_PORT = "DTJOB_METRICS_PORT"
+# Pod rank and pod count: a pod of LOCAL_WORLD_SIZE processes holds global ranks
+# POD_RANK * LOCAL_WORLD_SIZE + LOCAL_RANK; WORLD_SIZE = PODS * LOCAL_WORLD_SIZE.
+ENV_POD_RANK = "DTJOB_POD_RANK"
+ENV_PODS = "DTJOB_PODS"
+ENV_DEVICE = "DTJOB_DEVICE"  # auto | cpu | cuda
+
+# --- metrics (gauges) --------------------------------------------------------------------------
+METRIC_STEP = "dtjob_trainer_step"
+METRIC_LAST_CHECKPOINT_STEP = "dtjob_trainer_last_checkpoint_step"
+METRIC_LAST_CHECKPOINT_TIME = "dtjob_trainer_last_checkpoint_timestamp_seconds"
+METRIC_WORLD_SIZE = "dtjob_trainer_world_size"
+METRIC_GENERATION = "dtjob_trainer_generation"
+
+# --- the closing log line ------------------------------------------------------------------------
+_COMPLETE = re.compile(r"training complete at step (\d+)(?:; last checkpoint step (\d+) at ([\d.]+))?")
+
+
+@dataclass(frozen=True)
+class Completion:
+    """What rank 0's closing line says."""
+
+    step: int
+    checkpoint_step: int | None = None
+    checkpoint_time: float | None = None  # unix seconds
+
+
+def complete_line(step: int, checkpoint_step: int | None = None, checkpoint_time: float | None = None) -> str:
+    """The closing line rank 0 logs when training is complete."""
+    if checkpoint_step is None or checkpoint_time is None:
+        return f"training complete at step {step}"
+    tail = f"; last checkpoint step {checkpoint_step} at {checkpoint_time:.3f}"
+    return f"training complete at step {step}{tail}"
+
+
+def parse_complete_line(text: str) -> Completion | None:
+    """The last closing line in `text` (a log tail), or None when there is none."""
+    found = None
+    for match in _COMPLETE.finditer(text):
+        found = match
+    if found is None:
+        return None
+    step, ckpt_step, ckpt_time = found.groups()
+    return Completion(
+        int(step),
+        int(ckpt_step) if ckpt_step is not None else None,
+        float(ckpt_time) if ckpt_time is not None else None,
+    )
