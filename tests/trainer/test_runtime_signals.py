@@ -98,3 +98,31 @@ def test_worker_of_an_older_generation_cannot_join(tmp_path: Path) -> None:
     last_line = gang.stderr(1).strip().splitlines()[-1]
     assert "DTJOB_GENERATION=4" in last_line and "generation 5" in last_line
     assert gang.steps() == []
+
+
+@pytest.mark.parametrize("stopped", [1, 0], ids=["a-worker", "rank-0-the-store"])
+def test_a_hung_rank_is_found_by_the_heartbeat_long_before_the_collective_timeout(
+    tmp_path: Path, stopped: int
+) -> None:
+    """SIGSTOP keeps a rank's sockets open, so its peers' collectives would wait the whole
+    --collective-timeout (120 s here); the heartbeat (4 s) ends the gang first, naming the rank."""
+    import time
+
+    args = [*ENDLESS, "--global-batch-size", "6", "--collective-timeout", "120"]
+    gang = launch(3, args, tmp_path, "hung", env={"DTJOB_HEARTBEAT_TIMEOUT": "4"})
+    survivors = [r for r in range(3) if r != stopped]
+    try:
+        wait_for(lambda: len(gang.steps()) >= 3, "three steps")
+        gang.signal(stopped, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        codes = [gang.procs[r].wait(timeout=60) for r in survivors]
+        seconds = time.monotonic() - stopped_at
+    finally:
+        gang.procs[stopped].send_signal(signal.SIGCONT)
+        gang.kill()
+    assert codes == [76, 76], gang.stderr()
+    for r in survivors:
+        assert f"peer lost: rank {stopped} silent for" in gang.stderr(r), gang.stderr(r)
+    # 4 s of silence, a beat a second, two for the others to see the verdict; a loaded machine
+    # adds to it, but never the 120 s collective timeout.
+    assert seconds < 30, seconds

@@ -143,6 +143,11 @@ def _check_generation(store: dist.Store, c: Gang) -> None:
         )
 
 
+def gang_prefix(c: Gang) -> str:
+    """The store prefix of this generation's gang (its process group, its heartbeats)."""
+    return f"dtjob/g{c.generation}/ws{c.world_size}"
+
+
 def init_process_group(c: Gang, backend: str = "gloo") -> dist.Store | None:
     """Create the default process group for this gang (a one-process group at world size 1), and
     the gloo group beside an NCCL one; returns the rendezvous store (None at world size 1)."""
@@ -153,7 +158,7 @@ def init_process_group(c: Gang, backend: str = "gloo") -> dist.Store | None:
         return None
     store = _connect_store(c)
     _check_generation(store, c)
-    gang_store = dist.PrefixStore(f"dtjob/g{c.generation}/ws{c.world_size}", store)
+    gang_store = dist.PrefixStore(gang_prefix(c), store)
     dist.init_process_group(
         backend, store=gang_store, rank=c.rank, world_size=c.world_size, timeout=pg_timeout
     )

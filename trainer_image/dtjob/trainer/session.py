@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dtjob import contract
-from dtjob.trainer import elastic
+from dtjob.trainer import elastic, heartbeat
 from dtjob.trainer.checkpoint import Checkpointer, Loaded
 from dtjob.trainer.comm_metrics import instrument_comm
 from dtjob.trainer.data import GlobalBatchSampler
@@ -53,6 +53,20 @@ from dtjob.trainer.train_state import TrainState
 log = logging.getLogger("dtjob.trainer")
 
 ENV_STEP_GATE = "DTJOB_STEP_GATE"
+
+
+def _log_to_stderr(rank: int) -> None:
+    """The session's own lines (resumes, checkpoints, the closing line the operator reads) go to
+    stderr even in a script that configured no logging (Python's default shows warnings only)."""
+    logger = logging.getLogger("dtjob")
+    if logger.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        logging.Formatter(f"dtjob[rank {rank}] %(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
+    )
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
 
 
 class SessionError(Exception):
@@ -103,6 +117,7 @@ class ElasticSession:
             collective_timeout=collective_timeout, rendezvous_timeout=rendezvous_timeout
         )
         g = self.gang
+        _log_to_stderr(g.rank)
         self.device = resolve_device(device or os.environ.get(contract.ENV_DEVICE) or "auto", g.local_rank)
         self.seed = seed
         self.config = dict(config or {})
@@ -131,6 +146,10 @@ class ElasticSession:
         instrument_comm(self.metrics)  # bytes and seconds of every collective the wrappers issue
         self.stop = StopRequest()
         elastic.init_process_group(g, backend_for(self.device))
+        # A silent peer (hung, cut off, its node gone) stops the gang in seconds (heartbeat.py).
+        self.heartbeat = heartbeat.start(
+            elastic.gang_prefix(g), g.master_addr, g.master_port, g.rank, g.world_size
+        )
         # From here on SIGTERM means "finish the step, checkpoint, exit 75". Until the gang formed
         # it killed at once: nothing was trained that a checkpoint would keep.
         self.stop.install()
@@ -273,7 +292,10 @@ class ElasticSession:
                 "stop requested before the first step; the newest checkpoint stays at step %d",
                 self.start_step,
             )
+            self._finish_heartbeat()
             raise Stopped
+        if self.heartbeat is not None:
+            self.heartbeat.arm()
         for step in range(self.start_step + 1, total + 1):
             if self._gate is not None:
                 self._wait_for_gate(step)
@@ -291,6 +313,7 @@ class ElasticSession:
                 log.info(
                     "stopped after step %d on %s; exit %d", step, self.stop.signal_name, contract.EXIT_STOPPED
                 )
+                self._finish_heartbeat()
                 raise Stopped
         self._complete(total)
 
@@ -365,8 +388,13 @@ class ElasticSession:
         log.info("checkpoint %s written in %.2fs", path, seconds)
         return path
 
+    def _finish_heartbeat(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.finish()
+
     def _complete(self, total: int) -> None:
         """The operator reads this line from rank 0's log once it exited (dtjob.contract)."""
+        self._finish_heartbeat()
         if self.last_saved_step > 0:
             log.info(contract.complete_line(total, self.last_saved_step, self.last_saved_time))
         else:
