@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
 from typing import Any
 
 import kopf
 from kubernetes.client.rest import ApiException
 
+from dtjob.operator.coalescer import Coalescer
 from dtjob.operator.jobview import GROUP, LABEL_JOB, PLURAL, VERSION
 from dtjob.operator.kube import Kube
 from dtjob.operator.metrics import OperatorMetrics
@@ -29,36 +29,18 @@ FINALIZER = "training.dtjob.io/operator"
 class JobReconciler:
     """Runs observe -> reconcile -> execute for one job at a time.
 
-    Concurrent triggers for the same job coalesce: while a pass runs, further triggers only mark
-    the job dirty and the running pass goes once more, so there is never more than one pass per
+    Concurrent triggers for the same job coalesce (`Coalescer`): while a pass runs, further
+    triggers only make the running pass go once more, so there is never more than one pass per
     job in flight and never a trigger lost.
     """
 
     def __init__(self, kube: Kube, metrics: OperatorMetrics) -> None:
         self.kube = kube
         self.metrics = metrics
-        self._guard = threading.Lock()
-        self._running: set[tuple[str, str]] = set()
-        self._dirty: set[tuple[str, str]] = set()
+        self._passes: Coalescer[tuple[str, str]] = Coalescer(lambda key: self._once(*key))
 
     def reconcile(self, namespace: str, name: str) -> None:
-        key = (namespace, name)
-        with self._guard:
-            if key in self._running:
-                self._dirty.add(key)
-                return
-            self._running.add(key)
-        try:
-            while True:
-                self._once(namespace, name)
-                with self._guard:
-                    if key not in self._dirty:
-                        break
-                    self._dirty.discard(key)
-        finally:
-            with self._guard:
-                self._running.discard(key)
-                self._dirty.discard(key)
+        self._passes.trigger((namespace, name))
 
     def _once(self, namespace: str, name: str) -> None:
         started = time.perf_counter()
