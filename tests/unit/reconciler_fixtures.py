@@ -8,6 +8,7 @@ from typing import Any
 
 from dtjob.operator.actions import Action, CreatePod, DeletePod, EmitEvent, PatchStatus
 from dtjob.operator.reconciler import Observed, reconcile, to_rfc3339
+from dtjob.operator.settings import ReconcilerSettings
 
 T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
 
@@ -137,9 +138,11 @@ def two_nodes() -> list[dict[str, Any]]:
 
 
 def run(job: dict[str, Any], pods: list[dict[str, Any]], nodes: list[dict[str, Any]], now: float = 100.0,
-        **kw: Any) -> list[Action]:  # fmt: skip
+        settings: ReconcilerSettings | None = None, **kw: Any) -> list[Action]:  # fmt: skip
+    """One reconcile of this observation, with the default settings unless given."""
     node_pods = kw.pop("node_pods", pods)
-    return reconcile(Observed(job=job, pods=pods, nodes=nodes, now=at(now), node_pods=node_pods, **kw))
+    observed = Observed(job=job, pods=pods, nodes=nodes, now=at(now), node_pods=node_pods, **kw)
+    return reconcile(observed, settings or ReconcilerSettings())
 
 
 def status_patch(actions: list[Action]) -> dict[str, Any]:

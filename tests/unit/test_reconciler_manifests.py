@@ -11,11 +11,12 @@ from dtjob.operator.capacity import workers_that_fit
 from dtjob.operator.jobview import JobView
 from dtjob.operator.pods import headless_service, podgroup, worker_pod
 from dtjob.operator.quantity import format_quantity, parse_quantity
+from dtjob.operator.worker_defaults import WorkerDefaults
 from tests.unit.reconciler_fixtures import env_of, make_job, make_node, make_pod
 
 
 def test_worker_pod_has_the_design_names_labels_env_and_volume() -> None:
-    pod = worker_pod(JobView(make_job()), rank=1, world_size=3, generation=2)
+    pod = worker_pod(JobView(make_job()), rank=1, world_size=3, generation=2, defaults=WorkerDefaults())
     meta, spec = pod["metadata"], pod["spec"]
     assert meta["name"] == "gpt-worker-1" and meta["namespace"] == "ml"
     assert meta["labels"] == {
@@ -55,7 +56,7 @@ def test_worker_pod_has_the_design_names_labels_env_and_volume() -> None:
 
 def test_template_is_not_mutated_by_building_pods() -> None:
     job = make_job()
-    worker_pod(JobView(job), 0, 4, 0)
+    worker_pod(JobView(job), 0, 4, 0, WorkerDefaults())
     assert job == make_job()
 
 

@@ -1,6 +1,7 @@
 """Manifests of a job's children: worker pods, the headless Service and the Volcano PodGroup.
 
-Pure functions of the job (a JobView), so the reconciler can decide with them and the unit tests
+Pure functions of the job (a JobView) and of what they are given (the installer's worker defaults),
+so the reconciler can decide with them and the unit tests
 can check them without a cluster. The shapes follow DESIGN.md ("What the operator gives each
 worker pod").
 """
@@ -13,7 +14,6 @@ from decimal import Decimal
 from typing import Any
 
 from dtjob import contract
-from dtjob.operator import worker_defaults
 from dtjob.operator.jobview import (
     API_VERSION,
     KIND,
@@ -26,6 +26,7 @@ from dtjob.operator.jobview import (
     JobView,
 )
 from dtjob.operator.quantity import format_quantity, parse_quantity
+from dtjob.operator.worker_defaults import WorkerDefaults
 
 PODGROUP_API_VERSION = "scheduling.volcano.sh/v1beta1"
 PODGROUP_ANNOTATION = "scheduling.k8s.io/group-name"
@@ -91,8 +92,10 @@ def _checkpoint_volume(job: JobView) -> dict[str, Any] | None:
     return volume
 
 
-def worker_pod(job: JobView, rank: int, world_size: int, generation: int) -> dict[str, Any]:
-    """The pod of one worker of one generation."""
+def worker_pod(
+    job: JobView, rank: int, world_size: int, generation: int, defaults: WorkerDefaults
+) -> dict[str, Any]:
+    """The pod of one worker of one generation; `defaults` are the installer's worker defaults."""
     template = copy.deepcopy(dict(job.template))
     meta = template.get("metadata") or {}
     spec: dict[str, Any] = template.get("spec") or {}
@@ -116,7 +119,7 @@ def worker_pod(job: JobView, rank: int, world_size: int, generation: int) -> dic
     # it alone in a process group its peers already left.
     spec["restartPolicy"] = "Never"
     # The installer's defaults (helm chart values `workers.*`) fill what the template leaves unset.
-    worker_defaults.current().apply(spec)
+    defaults.apply(spec)
     # Workers need no API access (the operator reads their progress from their metrics port):
     # no service account token unless the template asks for one.
     spec.setdefault("automountServiceAccountToken", False)

@@ -1,6 +1,6 @@
 """The pure reconciler: observed job, pods and nodes in; the actions that converge them out.
 
-No I/O happens here. `reconcile(Observed(...))` looks at the job's status (its memory: phase,
+No I/O happens here. `reconcile(Observed(...), settings)` looks at the job's status (its memory: phase,
 generation, world size, restarts), at the worker pods carrying its job-name label, and at the
 nodes, and returns the actions of `dtjob.operator.actions`. It is level-triggered: whatever
 happened before (an operator killed half-way, missed events), the same observation gives the same
@@ -50,24 +50,19 @@ from dtjob.operator.actions import (
 )
 from dtjob.operator.capacity import node_is_ready, workers_that_fit
 from dtjob.operator.jobview import EXIT_CHECKPOINTED, LABEL_GENERATION, LABEL_RANK, JobView
+from dtjob.operator.settings import ReconcilerSettings
 
 PENDING, RUNNING, RESTARTING = "Pending", "Running", "Restarting"
 SUCCEEDED, FAILED, SUSPENDED = "Succeeded", "Failed", "Suspended"
 FINISHED = {SUCCEEDED, FAILED}
 # Restart reasons that are failures (not planned rescales): time to recover is measured for these.
 FAILURE_REASONS = {"WorkerFailed", "WorkerDeleted", "NodeLost", "WorkerStopped"}
-# A grown-back gang must have run this long at its current size before it grows again, so a
-# capacity estimate the scheduler disagrees with cannot make the job flap faster than this.
-GROW_HOLD_SECONDS = 5.0
-# After a failure the survivors cannot checkpoint (a sharded checkpoint needs every rank, and a
-# peer is gone): they get SIGTERM and this long to exit before SIGKILL, not the pod's full grace
-# period, which a trainer blocked in a collective with a dead peer would use up.
-UNPLANNED_STOP_GRACE_SECONDS = 5
 
 
 @dataclass(frozen=True)
-class TrainerMetrics:
-    """What rank 0's Prometheus endpoint said (None: gauge absent)."""
+class TrainerProgress:
+    """What the operator read of rank 0's progress: from its Prometheus endpoint while it runs,
+    from the closing line of its log once it finished (None: not reported)."""
 
     step: int | None = None
     checkpoint_step: int | None = None
@@ -86,7 +81,7 @@ class Observed:
     node_pods: Sequence[Mapping[str, Any]] = ()
     service_exists: bool = True
     podgroup: Mapping[str, Any] | None = None
-    metrics: TrainerMetrics | None = None
+    progress: TrainerProgress | None = None
 
 
 def to_rfc3339(moment: datetime) -> str:
@@ -160,6 +155,7 @@ class _Pass:
     """One reconcile pass: the status being built and the actions being collected."""
 
     obs: Observed
+    settings: ReconcilerSettings
     job: JobView
     status: dict[str, Any]
     actions: list[Action] = field(default_factory=list)
@@ -235,12 +231,12 @@ class _Pass:
             self.actions.append(DeletePod(w.name, reason, grace_seconds=grace_seconds))
 
 
-def reconcile(obs: Observed) -> list[Action]:
-    """Decide what to do about one job. Pure: same observation, same actions."""
+def reconcile(obs: Observed, settings: ReconcilerSettings) -> list[Action]:
+    """Decide what to do about one job. Pure: same observation and settings, same actions."""
     job = JobView(obs.job)
     if job.deleting:
         return []  # garbage collection removes the children through their owner references
-    p = _Pass(obs, job, _copy_status(job.status))
+    p = _Pass(obs, settings, job, _copy_status(job.status))
     workers = [Worker.of(pod) for pod in obs.pods]
 
     if p.status.get("phase") in FINISHED:
@@ -473,7 +469,7 @@ def _decide(p: _Pass, current: Sequence[Worker], workers: Sequence[Worker]) -> b
             return True
         reason = next((f.reason for f in failures if f.counted), first.reason)
         _new_generation(p, _target_size(p), reason, "; ".join(f.message for f in failures), counted=counted)
-        _delete_all(p, workers, UNPLANNED_STOP_GRACE_SECONDS)
+        _delete_all(p, workers, p.settings.unplanned_stop_grace_seconds)
         return True
 
     if p.status.get("phase") == RESTARTING and any(
@@ -522,7 +518,7 @@ def _maybe_shrink(p: _Pass, unscheduled: Sequence[Worker], workers: Sequence[Wor
         counted=False,
     )
     # A gang with unscheduled members never got past its rendezvous: nothing to checkpoint.
-    _delete_all(p, workers, UNPLANNED_STOP_GRACE_SECONDS)
+    _delete_all(p, workers, p.settings.unplanned_stop_grace_seconds)
     return True
 
 
@@ -535,7 +531,10 @@ def _maybe_rescale(p: _Pass, workers: Sequence[Worker], size: int) -> bool:
         return True
     if size < desired:
         running_since = from_rfc3339((p.condition(RUNNING) or {}).get("lastTransitionTime"))
-        if running_since is not None and (p.now - running_since).total_seconds() < GROW_HOLD_SECONDS:
+        if (
+            running_since is not None
+            and (p.now - running_since).total_seconds() < p.settings.grow_hold_seconds
+        ):
             return False
         if not _checkpointed_since(p, running_since):
             return False  # a rescale before this generation's first checkpoint would only lose its steps
@@ -587,7 +586,8 @@ def _converge_pods(p: _Pass, workers: Sequence[Worker], current: Sequence[Worker
     present = {w.rank for w in current}
     for rank in range(size):
         if rank not in present:
-            p.actions.append(CreatePod(manifests.worker_pod(job, rank, size, generation)))
+            manifest = manifests.worker_pod(job, rank, size, generation, p.settings.workers)
+            p.actions.append(CreatePod(manifest))
 
     running = [w for w in current if w.phase == "Running" and not w.deleting]
     if len(running) == size and p.status.get("phase") in {PENDING, RESTARTING}:
@@ -603,11 +603,11 @@ def _read_metrics(p: _Pass) -> None:
     """Step and last checkpoint from rank 0. Steps count from 1, so a gauge at 0 is a trainer
     still starting (before it loaded its checkpoint): it says nothing, and must not move the
     job's step back to 0 in between."""
-    metrics = p.obs.metrics
-    if metrics is None:
+    progress = p.obs.progress
+    if progress is None:
         return
-    if metrics.step:
-        p.status["step"] = metrics.step
-    if metrics.checkpoint_step and metrics.checkpoint_time:
-        moment = datetime.fromtimestamp(metrics.checkpoint_time, UTC)
-        p.status["lastCheckpoint"] = {"step": metrics.checkpoint_step, "time": to_rfc3339(moment)}
+    if progress.step:
+        p.status["step"] = progress.step
+    if progress.checkpoint_step and progress.checkpoint_time:
+        moment = datetime.fromtimestamp(progress.checkpoint_time, UTC)
+        p.status["lastCheckpoint"] = {"step": progress.checkpoint_step, "time": to_rfc3339(moment)}
