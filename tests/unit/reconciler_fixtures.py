@@ -23,7 +23,7 @@ def make_job(
     max_replicas: int = 4,
     max_restarts: int = 3,
     status: dict[str, Any] | None = None,
-    cpu: str = "1",
+    cpu: str | int = "1",
     elastic: dict[str, Any] | None = None,
     **spec_extra: Any,
 ) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from dtjob.operator.jobview import (
     TRAINER_CONTAINER,
     JobView,
 )
-from dtjob.operator.quantity import format_quantity, parse_quantity
+from dtjob.operator.quantity import format_quantity, parse_quantity, stringify_quantities
 from dtjob.operator.worker_defaults import WorkerDefaults
 
 PODGROUP_API_VERSION = "scheduling.volcano.sh/v1beta1"
@@ -160,6 +160,9 @@ def worker_pod(
                 {"name": volume["name"], "mountPath": job.checkpoint_mount_path},
             ]
 
+    # The template may write a quantity as a number (`nvidia.com/gpu: 1`), which the API server
+    # accepts and the kubernetes client refuses.
+    stringify_quantities(spec)
     return {
         "apiVersion": "v1",
         "kind": "Pod",
