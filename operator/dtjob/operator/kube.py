@@ -219,9 +219,14 @@ class Kube:
 
     # acting -------------------------------------------------------------------------------
     def execute(self, job: Mapping[str, Any], actions: list[Action]) -> None:
+        """Carry the actions out in order; the first that fails raises ActionFailed (the rest are
+        left for the next pass, which decides again from what it sees)."""
         view = JobView(job)
         for action in actions:
-            self._execute_one(view, action)
+            try:
+                self._execute_one(view, action)
+            except Exception as error:
+                raise ActionFailed(action, error) from error
 
     def _execute_one(self, job: JobView, action: Action) -> None:
         ns, name = job.namespace, job.name
@@ -286,6 +291,36 @@ class Kube:
             log.warning(
                 "could not post event %s on %s/%s: %s", event.reason, job.namespace, job.name, e.reason
             )
+
+
+class ActionFailed(Exception):
+    """An action the API server (or the kubernetes client) refused; `error` says why."""
+
+    def __init__(self, action: Action, error: Exception) -> None:
+        super().__init__(f"{describe_action(action)}: {error}")
+        self.action = action
+        self.error = error
+
+
+def describe_action(action: Action) -> str:
+    """What an action does, in the words of an error message ("creating pod gpt-worker-0")."""
+    match action:
+        case PatchStatus():
+            return "writing the job's status"
+        case CreateService(manifest=manifest):
+            return f"creating Service {manifest['metadata']['name']}"
+        case ApplyPodGroup(manifest=manifest):
+            return f"applying PodGroup {manifest['metadata']['name']}"
+        case CreatePod():
+            return f"creating pod {action.name}"
+        case DeletePod(name=pod):
+            return f"deleting pod {pod}"
+        case DeleteJob():
+            return "deleting the job"
+        case EmitEvent(reason=reason):
+            return f"posting event {reason}"
+        case _:
+            return f"recording {type(action).__name__}"
 
 
 def _controlled_by(pod: Mapping[str, Any], uid: str) -> bool:

@@ -94,6 +94,28 @@ def from_rfc3339(text: str | None) -> datetime | None:
     return datetime.fromisoformat(text.replace("Z", "+00:00"))
 
 
+def with_condition(
+    conditions: Sequence[Mapping[str, Any]],
+    ctype: str,
+    value: bool | None,
+    reason: str,
+    message: str,
+    now: datetime,
+) -> list[dict[str, Any]]:
+    """`conditions` with the one of type `ctype` set (value None: status Unknown);
+    lastTransitionTime moves only when the status changes."""
+    updated = [dict(c) for c in conditions]
+    wanted = "Unknown" if value is None else "True" if value else "False"
+    for cond in updated:
+        if cond.get("type") == ctype:
+            if cond.get("status") != wanted:
+                cond["lastTransitionTime"] = to_rfc3339(now)
+            cond.update(status=wanted, reason=reason, message=message)
+            return updated
+    new = {"type": ctype, "status": wanted, "reason": reason, "message": message}
+    return [*updated, {**new, "lastTransitionTime": to_rfc3339(now)}]
+
+
 @dataclass(frozen=True)
 class Worker:
     """One observed worker pod, reduced to what the rules need."""
@@ -171,26 +193,9 @@ class _Pass:
                 return dict(cond)
         return None
 
-    def set_condition(self, ctype: str, value: bool, reason: str, message: str) -> None:
-        conditions = [dict(c) for c in self.status.get("conditions") or []]
-        wanted = "True" if value else "False"
-        for cond in conditions:
-            if cond.get("type") == ctype:
-                if cond.get("status") != wanted:
-                    cond["lastTransitionTime"] = to_rfc3339(self.now)
-                cond.update(status=wanted, reason=reason, message=message)
-                break
-        else:
-            conditions.append(
-                {
-                    "type": ctype,
-                    "status": wanted,
-                    "reason": reason,
-                    "message": message,
-                    "lastTransitionTime": to_rfc3339(self.now),
-                }
-            )
-        self.status["conditions"] = conditions
+    def set_condition(self, ctype: str, value: bool | None, reason: str, message: str) -> None:
+        conditions = self.status.get("conditions") or []
+        self.status["conditions"] = with_condition(conditions, ctype, value, reason, message, self.now)
 
     def event(self, reason: str, message: str, warning: bool = False) -> None:
         self.events.append(EmitEvent("Warning" if warning else "Normal", reason, message))
