@@ -18,6 +18,9 @@ Exit codes: see the EXIT_* constants.
 Metrics: every process serves Prometheus text on DTJOB_METRICS_PORT + LOCAL_RANK; the operator
 reads the gauges in METRIC_* from global rank 0.
 
+Peer-lost line: a process that exits EXIT_PEER_LOST logs `peer_lost_line(...)` before it leaves;
+the operator names the lost rank from it.
+
 Closing line: rank 0 logs `complete_line(...)` to stderr as its last line when training is
 complete; the operator reads it from the finished pod's log (its metrics endpoint is gone by then).
 """
@@ -52,6 +55,9 @@ ENV_METRICS_PORT = "DTJOB_METRICS_PORT"
 ENV_POD_RANK = "DTJOB_POD_RANK"
 ENV_PODS = "DTJOB_PODS"
 ENV_DEVICE = "DTJOB_DEVICE"  # auto | cpu | cuda
+# Seconds a rank's heartbeat may be silent before the others declare it lost and exit
+# EXIT_PEER_LOST (spec.elastic.heartbeatTimeoutSeconds).
+ENV_HEARTBEAT_TIMEOUT = "DTJOB_HEARTBEAT_TIMEOUT"
 
 # --- metrics (gauges) --------------------------------------------------------------------------
 METRIC_STEP = "dtjob_trainer_step"
@@ -59,6 +65,25 @@ METRIC_LAST_CHECKPOINT_STEP = "dtjob_trainer_last_checkpoint_step"
 METRIC_LAST_CHECKPOINT_TIME = "dtjob_trainer_last_checkpoint_timestamp_seconds"
 METRIC_WORLD_SIZE = "dtjob_trainer_world_size"
 METRIC_GENERATION = "dtjob_trainer_generation"
+
+# --- the peer-lost line --------------------------------------------------------------------------
+# A process leaving with EXIT_PEER_LOST logs `peer_lost_line(rank, seconds)` first; the operator
+# reads it from the pod's log to name the lost rank in the job's event.
+_PEER_LOST = re.compile(r"peer lost: rank (\d+)")
+
+
+def peer_lost_line(rank: int, silent_seconds: float) -> str:
+    """The line a process logs before it exits EXIT_PEER_LOST because `rank` went silent."""
+    return f"peer lost: rank {rank} silent for {silent_seconds:.1f}s"
+
+
+def parse_peer_lost_line(text: str) -> int | None:
+    """The lost rank named by the last peer-lost line in `text` (a log tail), or None."""
+    found = None
+    for match in _PEER_LOST.finditer(text):
+        found = match
+    return None if found is None else int(found.group(1))
+
 
 # --- the closing log line ------------------------------------------------------------------------
 _COMPLETE = re.compile(r"training complete at step (\d+)(?:; last checkpoint step (\d+) at ([\d.]+))?")

@@ -115,10 +115,11 @@ def gang(
 
 
 def running_status(
-    size: int = 4, generation: int = 0, restarts: int = 0, since: float = 0.0
+    size: int = 4, generation: int = 0, restarts: int = 0, since: float = 0.0, metrics: bool = True
 ) -> dict[str, Any]:
-    """The status of a job whose gang has been running since `since`."""
-    return {
+    """The status of a job whose gang has been running since `since`; with `metrics`, its trainer
+    is known to publish its step and checkpoints (dtjob's trainer)."""
+    status: dict[str, Any] = {
         "phase": "Running",
         "generation": generation,
         "replicas": size,
@@ -131,6 +132,13 @@ def running_status(
              "lastTransitionTime": to_rfc3339(at(since))},
         ],
     }  # fmt: skip
+    if metrics:
+        status["conditions"].append(
+            {"type": "MetricsAvailable", "status": "True", "reason": "StepAndCheckpoints",
+             "message": "rank 0 publishes its step and checkpoints",
+             "lastTransitionTime": to_rfc3339(at(since))}
+        )  # fmt: skip
+    return status
 
 
 def two_nodes() -> list[dict[str, Any]]:
@@ -158,6 +166,18 @@ def applied(job: dict[str, Any], actions: list[Action]) -> dict[str, Any]:
     out = copy.deepcopy(job)
     out.setdefault("status", {}).update(status_patch(actions))
     return out
+
+
+def condition(actions: list[Action], ctype: str) -> dict[str, Any] | None:
+    """The condition of type `ctype` as the status patch writes it (None: not written)."""
+    conditions = status_patch(actions).get("conditions") or []
+    return next((c for c in conditions if c["type"] == ctype), None)
+
+
+def waiting(actions: list[Action]) -> tuple[str, str] | None:
+    """(reason, message) of the Waiting condition the patch sets True; None: not set True."""
+    cond = condition(actions, "Waiting")
+    return (cond["reason"], cond["message"]) if cond and cond["status"] == "True" else None
 
 
 def creates(actions: list[Action]) -> list[CreatePod]:

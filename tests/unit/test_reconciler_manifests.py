@@ -43,6 +43,7 @@ def test_worker_pod_has_the_design_names_labels_env_and_volume() -> None:
         "DTJOB_GENERATION": "2",
         "DTJOB_CHECKPOINT_DIR": "/ckpt",
         "DTJOB_METRICS_PORT": "9400",
+        "DTJOB_HEARTBEAT_TIMEOUT": "10",
         "DTJOB_STEPS": "50",
     }, "contract variables override the template's (RANK=9 there), other variables stay"
     trainer = spec["containers"][0]

@@ -15,12 +15,15 @@ python_gc_objects_collected_total{generation="0"} 123.0
 
 
 def test_trainer_gauges_are_read_from_exposition_text() -> None:
-    assert parse_trainer_metrics(EXPOSITION) == TrainerProgress(42, 40, 1.7e9)
+    assert parse_trainer_metrics(EXPOSITION) == TrainerProgress(42, 40, 1.7e9, checkpoints_published=True)
 
 
 def test_no_checkpoint_yet_reads_as_none() -> None:
     text = "dtjob_trainer_step 3\ndtjob_trainer_last_checkpoint_step -1\n"
-    assert parse_trainer_metrics(text) == TrainerProgress(3, None, None)
+    assert parse_trainer_metrics(text) == TrainerProgress(3, None, None, checkpoints_published=True)
+    assert parse_trainer_metrics("dtjob_trainer_step 3\n") == TrainerProgress(3), (
+        "a trainer without checkpoints"
+    )
 
 
 def test_final_state_from_json_step_lines_or_the_closing_line() -> None:

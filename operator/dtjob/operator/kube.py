@@ -35,7 +35,8 @@ from dtjob.operator.actions import (
 from dtjob.operator.jobview import API_VERSION, GROUP, KIND, LABEL_JOB, PLURAL, VERSION, JobView
 from dtjob.operator.metrics import OperatorMetrics
 from dtjob.operator.pods import PODGROUP_API_VERSION
-from dtjob.operator.reconciler import Observed, TrainerProgress, Worker
+from dtjob.operator.progress import TrainerProgress
+from dtjob.operator.reconciler import Observed, Worker
 from dtjob.operator.settings import ObserverSettings
 
 log = logging.getLogger("dtjob.operator")
@@ -80,6 +81,7 @@ def parse_trainer_metrics(text: str) -> TrainerProgress:
         # the trainer reports -1 (or nothing) before its first checkpoint
         checkpoint_step=None if checkpoint_step is None or checkpoint_step < 0 else int(checkpoint_step),
         checkpoint_time=values.get("checkpoint_time") or None,
+        checkpoints_published=checkpoint_step is not None,
     )
 
 
@@ -173,7 +175,26 @@ class Kube:
             service_exists=service_exists,
             podgroup=podgroup,
             progress=self._scrape_rank0(view, pods) if spec_ok else None,
+            worker_logs=self._peer_lost_logs(view, pods),
         )
+
+    def _peer_lost_logs(self, job: JobView, pods: list[dict[str, Any]]) -> dict[str, str]:
+        """Log tails of the current generation's workers that exited EXIT_PEER_LOST: they name
+        the rank that went silent."""
+        logs: dict[str, str] = {}
+        for pod in pods:
+            w = Worker.of(pod)
+            if w.generation != job.status.get("generation") or w.exit_code != contract.EXIT_PEER_LOST:
+                continue
+            try:
+                text = self.core.read_namespaced_pod_log(
+                    w.name, job.namespace, container="trainer", tail_lines=self.settings.log_tail_lines
+                )
+            except ApiException as e:
+                log.debug("no log of %s/%s: %s", job.namespace, w.name, e.reason)
+                continue
+            logs[w.name] = str(text)
+        return logs
 
     def _get_podgroup(self, job: JobView) -> dict[str, Any] | None:
         try:

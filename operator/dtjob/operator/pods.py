@@ -71,6 +71,7 @@ def _trainer_env(job: JobView, rank: int, world_size: int, generation: int) -> l
         c.ENV_GENERATION: str(generation),
         c.ENV_CHECKPOINT_DIR: job.checkpoint_mount_path,
         c.ENV_METRICS_PORT: str(job.metrics_port),
+        c.ENV_HEARTBEAT_TIMEOUT: str(job.heartbeat_timeout_seconds),
     }
     return [{"name": k, "value": v} for k, v in values.items()]
 
