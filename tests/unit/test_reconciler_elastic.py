@@ -92,7 +92,7 @@ def test_no_growth_without_capacity_or_right_after_a_rescale_or_before_a_checkpo
     job = make_job(status=checkpointed(running_status(size=2, generation=1, since=97), 98))
     assert no_growth(job, two_nodes()) == (
         "RescaleHold",
-        "generation 1 has run 3s at 2 workers; it grows to 4 after 5s",
+        "generation 1 runs at 2 workers; it grows to 4 once it has run 5s",
     )
     job = make_job(status=checkpointed(running_status(size=2, generation=1, since=0), 50))
     assert no_growth(job, [make_node("n1")]) == (

@@ -584,11 +584,12 @@ def _maybe_rescale(p: _Pass, workers: Sequence[Worker], size: int) -> bool:
         return False
     running_since = from_rfc3339((p.condition(RUNNING) or {}).get("lastTransitionTime"))
     hold = p.settings.grow_hold_seconds
-    if running_since is not None and (ran := (p.now - running_since).total_seconds()) < hold:
+    if running_since is not None and (p.now - running_since).total_seconds() < hold:
+        # No running seconds in the message: it would change (a status write) on every pass.
         p.wait(
             "RescaleHold",
-            f"generation {p.status.get('generation')} has run {ran:.0f}s at {size} workers; it grows "
-            f"to {target} after {hold:g}s",
+            f"generation {p.status.get('generation')} runs at {size} workers; it grows to {target} "
+            f"once it has run {hold:g}s",
         )
         return False
     if not _checkpointed_since(p, running_since, f"growing from {size} to {target} workers"):
