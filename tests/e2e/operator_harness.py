@@ -48,6 +48,7 @@ class Operator:
     metrics_port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
     peering: list[str] = field(default_factory=lambda: ["--standalone"])
+    extra_args: list[str] = field(default_factory=list)  # more `dtjob operator` flags
 
     def start(self) -> None:
         assert self.proc is None or self.proc.poll() is not None, "operator already running"
@@ -55,7 +56,7 @@ class Operator:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "dtjob.cli", "operator", "--namespace", self.namespace, *self.peering,
                  "--liveness", f"http://127.0.0.1:{free_port()}/healthz",
-                 "--metrics-port", str(self.metrics_port), "--interval", "2"],
+                 "--metrics-port", str(self.metrics_port), "--interval", "2", *self.extra_args],
                 stdout=out, stderr=subprocess.STDOUT,
             )  # fmt: skip
 
@@ -82,14 +83,15 @@ def ensure_crd() -> None:
     apply_crd(CRD)
 
 
-def operator_namespace(prefix: str) -> Iterator[Operator]:
-    """A fresh namespace served by its own operator; on exit the jobs are deleted while the
-    operator still runs (its finalizer), then the operator stops and the namespace goes."""
+def operator_namespace(prefix: str, extra_args: list[str] | None = None) -> Iterator[Operator]:
+    """A fresh namespace served by its own operator (started with `extra_args` too); on exit the
+    jobs are deleted while the operator still runs (its finalizer), then the operator stops and
+    the namespace goes."""
     ensure_crd()
     namespace = f"{prefix}-{uuid.uuid4().hex[:6]}"
     kubectl("create", "namespace", namespace, check=True)
     SCRATCH.mkdir(parents=True, exist_ok=True)
-    op = Operator(namespace, SCRATCH / f"{namespace}-operator.log")
+    op = Operator(namespace, SCRATCH / f"{namespace}-operator.log", extra_args=list(extra_args or []))
     op.start()
     try:
         yield op

@@ -370,8 +370,8 @@ def test_without_any_one_rule_the_operator_fails(release: None, resource: str) -
     try:
         if resource in NEEDS_RESTART:
             restart_operator()
-        # Let the API server's RBAC cache and the operator's node cache (2 s, kube.py's
-        # CLUSTER_VIEW_TTL_SECONDS) both see the role as it is now.
+        # Let the API server's RBAC cache and the operator's node cache (2 s,
+        # ObserverSettings.cluster_view_ttl_seconds) both see the role as it is now.
         time.sleep(3)
         apply(small_job(name, SLEEPER), JOBS_NS)
         if resource == "events":
@@ -406,7 +406,7 @@ def test_volcano_podgroups_need_the_volcano_value(release: None) -> None:
         helm("upgrade", RELEASE, *install_args(), "--reuse-values", "--set", "volcano.enabled=true",
              check=True, timeout=300)  # fmt: skip
         assert can_i("create", "podgroups.scheduling.volcano.sh", JOBS_NS)
-        # The refused call failed the timer's handler, and kopf backs a failed timer off 60 s.
+        # The refused call fails the pass, which is retried with backoff (at most 30 s apart).
         wait_for("the PodGroup, created under the upgraded role", podgroup_exists, timeout=150)
     finally:
         delete_job(JOBS_NS, name)

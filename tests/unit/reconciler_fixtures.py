@@ -8,6 +8,7 @@ from typing import Any
 
 from dtjob.operator.actions import Action, CreatePod, DeletePod, EmitEvent, PatchStatus
 from dtjob.operator.reconciler import Observed, reconcile, to_rfc3339
+from dtjob.operator.settings import ReconcilerSettings
 
 T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
 
@@ -22,7 +23,7 @@ def make_job(
     max_replicas: int = 4,
     max_restarts: int = 3,
     status: dict[str, Any] | None = None,
-    cpu: str = "1",
+    cpu: str | int = "1",
     elastic: dict[str, Any] | None = None,
     **spec_extra: Any,
 ) -> dict[str, Any]:
@@ -114,10 +115,11 @@ def gang(
 
 
 def running_status(
-    size: int = 4, generation: int = 0, restarts: int = 0, since: float = 0.0
+    size: int = 4, generation: int = 0, restarts: int = 0, since: float = 0.0, metrics: bool = True
 ) -> dict[str, Any]:
-    """The status of a job whose gang has been running since `since`."""
-    return {
+    """The status of a job whose gang has been running since `since`; with `metrics`, its trainer
+    is known to publish its step and checkpoints (dtjob's trainer)."""
+    status: dict[str, Any] = {
         "phase": "Running",
         "generation": generation,
         "replicas": size,
@@ -130,6 +132,13 @@ def running_status(
              "lastTransitionTime": to_rfc3339(at(since))},
         ],
     }  # fmt: skip
+    if metrics:
+        status["conditions"].append(
+            {"type": "MetricsAvailable", "status": "True", "reason": "StepAndCheckpoints",
+             "message": "rank 0 publishes its step and checkpoints",
+             "lastTransitionTime": to_rfc3339(at(since))}
+        )  # fmt: skip
+    return status
 
 
 def two_nodes() -> list[dict[str, Any]]:
@@ -137,9 +146,11 @@ def two_nodes() -> list[dict[str, Any]]:
 
 
 def run(job: dict[str, Any], pods: list[dict[str, Any]], nodes: list[dict[str, Any]], now: float = 100.0,
-        **kw: Any) -> list[Action]:  # fmt: skip
+        settings: ReconcilerSettings | None = None, **kw: Any) -> list[Action]:  # fmt: skip
+    """One reconcile of this observation, with the default settings unless given."""
     node_pods = kw.pop("node_pods", pods)
-    return reconcile(Observed(job=job, pods=pods, nodes=nodes, now=at(now), node_pods=node_pods, **kw))
+    observed = Observed(job=job, pods=pods, nodes=nodes, now=at(now), node_pods=node_pods, **kw)
+    return reconcile(observed, settings or ReconcilerSettings())
 
 
 def status_patch(actions: list[Action]) -> dict[str, Any]:
@@ -155,6 +166,18 @@ def applied(job: dict[str, Any], actions: list[Action]) -> dict[str, Any]:
     out = copy.deepcopy(job)
     out.setdefault("status", {}).update(status_patch(actions))
     return out
+
+
+def condition(actions: list[Action], ctype: str) -> dict[str, Any] | None:
+    """The condition of type `ctype` as the status patch writes it (None: not written)."""
+    conditions = status_patch(actions).get("conditions") or []
+    return next((c for c in conditions if c["type"] == ctype), None)
+
+
+def waiting(actions: list[Action]) -> tuple[str, str] | None:
+    """(reason, message) of the Waiting condition the patch sets True; None: not set True."""
+    cond = condition(actions, "Waiting")
+    return (cond["reason"], cond["message"]) if cond and cond["status"] == "True" else None
 
 
 def creates(actions: list[Action]) -> list[CreatePod]:

@@ -159,7 +159,8 @@ def test_deployment_is_one_hardened_recreated_replica() -> None:
     assert f"--metrics-port={ports['metrics']}" in container["args"]
 
 
-TUNED = ["--set", "operator.verbose=true,peering.priority=7", "--set-json", "operator.interval=2.5"]
+TUNED = ["--set", "operator.verbose=true,peering.priority=7,operator.maxWorkers=4", "--set-json",
+         "operator.interval=2.5"]  # fmt: skip
 
 
 @pytest.mark.parametrize("values", [[], NAMESPACED, TUNED], ids=["all-namespaces", "namespaced", "tuned"])
@@ -173,8 +174,8 @@ def test_operator_accepts_the_arguments_the_chart_passes(values: list[str]) -> N
     peering_kind = "KopfPeering" if args.namespace else "ClusterKopfPeering"
     assert {args.peering} == {d["metadata"]["name"] for d in docs if d["kind"] == peering_kind}
     assert args.standalone is False
-    expected = (True, 2.5, 7) if values == TUNED else (False, 5.0, 0)
-    assert (args.verbose, args.interval, args.priority) == expected
+    expected = (True, 2.5, 7, 4) if values == TUNED else (False, 5.0, 0, 16)
+    assert (args.verbose, args.interval, args.priority, args.max_workers) == expected
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -12,13 +11,6 @@ from dtjob.operator import worker_defaults
 from dtjob.operator.jobview import JobView
 from dtjob.operator.pods import worker_pod
 from tests.unit.test_chart import notes_job_manifest, operator_container, render
-
-
-@pytest.fixture
-def restore_defaults() -> Iterator[None]:
-    saved = worker_defaults.current()
-    yield
-    worker_defaults.configure(saved)
 
 
 def operator_env(*values: str) -> dict[str, str]:
@@ -32,12 +24,12 @@ def first_job(template_spec_extra: dict[str, Any] | None = None) -> JobView:
     return JobView(job)
 
 
-def test_chart_worker_values_fill_the_worker_pod(restore_defaults: None) -> None:
+def test_chart_worker_values_fill_the_worker_pod() -> None:
     env = operator_env(
         "--set", "watchNamespaces={team-a}", "--set", "workers.podSecurityContext.fsGroup=2000"
     )
-    worker_defaults.configure(worker_defaults.from_env(env))
-    pod = worker_pod(first_job(), rank=0, world_size=2, generation=0)["spec"]
+    defaults = worker_defaults.from_env(env)
+    pod = worker_pod(first_job(), rank=0, world_size=2, generation=0, defaults=defaults)["spec"]
     assert pod["serviceAccountName"] == "rel-dtjob-worker"
     assert pod["automountServiceAccountToken"] is False
     assert pod["securityContext"] == {
@@ -52,14 +44,14 @@ def test_chart_worker_values_fill_the_worker_pod(restore_defaults: None) -> None
     }
 
 
-def test_the_job_template_wins_over_the_chart(restore_defaults: None) -> None:
-    worker_defaults.configure(worker_defaults.from_env(operator_env("--set", "watchNamespaces={team-a}")))
+def test_the_job_template_wins_over_the_chart() -> None:
+    defaults = worker_defaults.from_env(operator_env("--set", "watchNamespaces={team-a}"))
     own = {
         "serviceAccountName": "needs-s3",
         "automountServiceAccountToken": True,
         "securityContext": {"runAsUser": 4242, "seccompProfile": {"type": "Unconfined"}},
     }
-    pod = worker_pod(first_job(own), rank=1, world_size=2, generation=3)["spec"]
+    pod = worker_pod(first_job(own), rank=1, world_size=2, generation=3, defaults=defaults)["spec"]
     assert pod["serviceAccountName"] == "needs-s3"
     assert pod["automountServiceAccountToken"] is True
     assert pod["securityContext"]["runAsUser"] == 4242
@@ -67,9 +59,9 @@ def test_the_job_template_wins_over_the_chart(restore_defaults: None) -> None:
     assert pod["securityContext"]["runAsNonRoot"] is True  # filled by the chart's default
 
 
-def test_all_namespaces_install_names_no_worker_service_account(restore_defaults: None) -> None:
-    worker_defaults.configure(worker_defaults.from_env(operator_env()))
-    pod = worker_pod(first_job(), rank=0, world_size=1, generation=0)["spec"]
+def test_all_namespaces_install_names_no_worker_service_account() -> None:
+    defaults = worker_defaults.from_env(operator_env())
+    pod = worker_pod(first_job(), rank=0, world_size=1, generation=0, defaults=defaults)["spec"]
     assert "serviceAccountName" not in pod
     assert pod["automountServiceAccountToken"] is False
 

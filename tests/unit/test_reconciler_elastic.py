@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dtjob.operator.actions import CountRescale, CountRestart, ObserveRecovery
+from dtjob.operator.actions import CountRescale, CountRestart, ObserveRecovery, PatchStatus
 from dtjob.operator.reconciler import to_rfc3339
 from tests.unit.reconciler_fixtures import (
     applied,
@@ -21,6 +21,7 @@ from tests.unit.reconciler_fixtures import (
     running_status,
     status_patch,
     two_nodes,
+    waiting,
 )
 
 
@@ -37,7 +38,12 @@ def pending_gang() -> list[dict[str, Any]]:
 def test_unschedulable_gang_waits_for_the_timeout_then_shrinks_planned() -> None:
     job = make_job(status={**running_status(), "phase": "Pending", "conditions": [], "readyReplicas": 2})
     nodes = [make_node("n1")]
-    assert run(job, pending_gang(), nodes, now=29) == []
+    before = run(job, pending_gang(), nodes, now=29)
+    assert waiting(before) == (
+        "Workers",
+        "waiting for 2 of 4 workers of generation 0 to run (2 not scheduled yet)",
+    )
+    assert [type(a) for a in before] == [PatchStatus], "nothing but the status says what it waits for"
     actions = run(job, pending_gang(), nodes, now=31)
     patch = status_patch(actions)
     assert patch["generation"] == 1 and patch["replicas"] == 2
@@ -75,13 +81,32 @@ def test_shrunk_gang_grows_back_when_capacity_returns() -> None:
     assert len(grown) == 4 and env_of(grown[0].manifest)["WORLD_SIZE"] == "4"
 
 
+def no_growth(job: dict[str, Any], nodes: list[dict[str, Any]]) -> tuple[str, str] | None:
+    """What a 2-worker gang of generation 1 that wants 4 waits for, asserting it does nothing else."""
+    actions = run(job, gang(2, generation=1), nodes, now=100)
+    assert [type(a) for a in actions] == [PatchStatus] and "generation" not in status_patch(actions)
+    return waiting(actions)
+
+
 def test_no_growth_without_capacity_or_right_after_a_rescale_or_before_a_checkpoint() -> None:
     job = make_job(status=checkpointed(running_status(size=2, generation=1, since=97), 98))
-    assert run(job, gang(2, generation=1), two_nodes(), now=100) == [], "hold after the last change"
+    assert no_growth(job, two_nodes()) == (
+        "RescaleHold",
+        "generation 1 runs at 2 workers; it grows to 4 once it has run 5s",
+    )
     job = make_job(status=checkpointed(running_status(size=2, generation=1, since=0), 50))
-    assert run(job, gang(2, generation=1), [make_node("n1")], now=100) == [], "n2 still missing"
+    assert no_growth(job, [make_node("n1")]) == (
+        "Capacity",
+        "waiting for capacity to grow from 2 to 4 workers: 2 fit",
+    )  # n2 still missing
     job = make_job(status=checkpointed(running_status(size=2, generation=1, since=60), 50))
-    assert run(job, gang(2, generation=1), two_nodes(), now=100) == [], "no checkpoint of this generation yet"
+    reason, message = no_growth(job, two_nodes()) or ("", "")
+    assert reason == "Checkpoint" and message.startswith(
+        "waiting for generation 1's first checkpoint before growing from 2 to 4 workers"
+    )
+    # each wait is written once: the same observation again asks for nothing
+    assert run(applied(job, run(job, gang(2, generation=1), two_nodes(), now=100)), gang(2, generation=1),
+               two_nodes(), now=100) == []  # fmt: skip
 
 
 def test_kubectl_scale_down_is_a_planned_rescale() -> None:

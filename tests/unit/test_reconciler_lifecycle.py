@@ -10,7 +10,7 @@ from dtjob.operator.actions import (
     ObserveRecovery,
     PatchStatus,
 )
-from dtjob.operator.reconciler import TrainerMetrics, to_rfc3339
+from dtjob.operator.reconciler import TrainerProgress, to_rfc3339
 from tests.unit.reconciler_fixtures import (
     applied,
     at,
@@ -137,9 +137,13 @@ def test_job_created_suspended_creates_nothing() -> None:
 
 def test_trainer_metrics_fill_step_and_last_checkpoint() -> None:
     job = make_job(status=running_status())
-    metrics = TrainerMetrics(step=17, checkpoint_step=15, checkpoint_time=at(90).timestamp())
-    actions = run(job, gang(4), two_nodes(), metrics=metrics)
-    assert actions == [PatchStatus({"step": 17, "lastCheckpoint": {"step": 15, "time": to_rfc3339(at(90))}})]
+    metrics = TrainerProgress(
+        step=17, checkpoint_step=15, checkpoint_time=at(90).timestamp(), checkpoints_published=True
+    )
+    actions = run(job, gang(4), two_nodes(), progress=metrics)
+    step_at = to_rfc3339(at(100))
+    checkpoint = {"step": 15, "time": to_rfc3339(at(90))}
+    assert actions == [PatchStatus({"step": 17, "lastCheckpoint": checkpoint, "lastProgressTime": step_at})]
 
 
 def test_invalid_spec_creates_nothing_and_says_why_once() -> None:
@@ -156,7 +160,8 @@ def test_a_starting_trainer_reporting_step_zero_does_not_reset_the_step() -> Non
     job = make_job(
         status={**running_status(), "step": 40, "lastCheckpoint": {"step": 40, "time": to_rfc3339(at(90))}}
     )
-    assert run(job, gang(4), two_nodes(), metrics=TrainerMetrics(step=0, checkpoint_step=0)) == []
+    starting = TrainerProgress(step=0, checkpoint_step=0, checkpoints_published=True)
+    assert run(job, gang(4), two_nodes(), progress=starting) == []
 
 
 def test_deleted_job_is_left_to_garbage_collection() -> None:

@@ -11,11 +11,12 @@ from dtjob.operator.capacity import workers_that_fit
 from dtjob.operator.jobview import JobView
 from dtjob.operator.pods import headless_service, podgroup, worker_pod
 from dtjob.operator.quantity import format_quantity, parse_quantity
+from dtjob.operator.worker_defaults import WorkerDefaults
 from tests.unit.reconciler_fixtures import env_of, make_job, make_node, make_pod
 
 
 def test_worker_pod_has_the_design_names_labels_env_and_volume() -> None:
-    pod = worker_pod(JobView(make_job()), rank=1, world_size=3, generation=2)
+    pod = worker_pod(JobView(make_job()), rank=1, world_size=3, generation=2, defaults=WorkerDefaults())
     meta, spec = pod["metadata"], pod["spec"]
     assert meta["name"] == "gpt-worker-1" and meta["namespace"] == "ml"
     assert meta["labels"] == {
@@ -44,6 +45,7 @@ def test_worker_pod_has_the_design_names_labels_env_and_volume() -> None:
         "DTJOB_GENERATION": "2",
         "DTJOB_CHECKPOINT_DIR": "/ckpt",
         "DTJOB_METRICS_PORT": "9400",
+        "DTJOB_HEARTBEAT_TIMEOUT": "10",
         "DTJOB_STEPS": "50",
     }, "contract variables override the template's (RANK=9 there), other variables stay"
     trainer = spec["containers"][0]
@@ -60,7 +62,7 @@ def test_a_pod_of_several_processes_runs_them_through_the_launcher() -> None:
     trainer = job["spec"]["template"]["spec"]["containers"][0]
     trainer["resources"] = {"limits": {"nvidia.com/gpu": "2"}}  # nprocPerWorker defaults to it
     trainer["command"], trainer["args"] = ["python", "-m", "dtjob.trainer"], ["--steps=5"]
-    pod = worker_pod(JobView(job), rank=1, world_size=3, generation=0)
+    pod = worker_pod(JobView(job), rank=1, world_size=3, generation=0, defaults=WorkerDefaults())
     env = env_of(pod)
     assert (env["WORLD_SIZE"], env["RANK"], env["LOCAL_WORLD_SIZE"], env["DTJOB_POD_RANK"]) == (
         "6",
@@ -81,15 +83,22 @@ def test_a_pod_of_several_processes_runs_them_through_the_launcher() -> None:
     ]
     assert "args" not in container
     job["spec"]["nprocPerWorker"] = 3  # the field wins over the GPU count
-    assert env_of(worker_pod(JobView(job), rank=0, world_size=2, generation=0))["WORLD_SIZE"] == "6"
+    assert (
+        env_of(worker_pod(JobView(job), rank=0, world_size=2, generation=0, defaults=WorkerDefaults()))[
+            "WORLD_SIZE"
+        ]
+        == "6"
+    )
     job["spec"]["nprocPerWorker"] = 1
-    one = worker_pod(JobView(job), rank=0, world_size=2, generation=0)["spec"]["containers"][0]
+    one = worker_pod(JobView(job), rank=0, world_size=2, generation=0, defaults=WorkerDefaults())["spec"][
+        "containers"
+    ][0]
     assert one["command"] == ["python", "-m", "dtjob.trainer"], "one process: the command as written"
 
 
 def test_template_is_not_mutated_by_building_pods() -> None:
     job = make_job()
-    worker_pod(JobView(job), 0, 4, 0)
+    worker_pod(JobView(job), 0, 4, 0, WorkerDefaults())
     assert job == make_job()
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dtjob.operator.kube import final_state_from_log, parse_trainer_metrics
-from dtjob.operator.reconciler import TrainerMetrics
+from dtjob.operator.reconciler import TrainerProgress
 
 EXPOSITION = """# HELP dtjob_trainer_step Last completed step
 # TYPE dtjob_trainer_step gauge
@@ -15,19 +15,22 @@ python_gc_objects_collected_total{generation="0"} 123.0
 
 
 def test_trainer_gauges_are_read_from_exposition_text() -> None:
-    assert parse_trainer_metrics(EXPOSITION) == TrainerMetrics(42, 40, 1.7e9)
+    assert parse_trainer_metrics(EXPOSITION) == TrainerProgress(42, 40, 1.7e9, checkpoints_published=True)
 
 
 def test_no_checkpoint_yet_reads_as_none() -> None:
     text = "dtjob_trainer_step 3\ndtjob_trainer_last_checkpoint_step -1\n"
-    assert parse_trainer_metrics(text) == TrainerMetrics(3, None, None)
+    assert parse_trainer_metrics(text) == TrainerProgress(3, None, None, checkpoints_published=True)
+    assert parse_trainer_metrics("dtjob_trainer_step 3\n") == TrainerProgress(3), (
+        "a trainer without checkpoints"
+    )
 
 
 def test_final_state_from_json_step_lines_or_the_closing_line() -> None:
     json_log = '{"step": 29, "loss": 2.0}\n{"step": 30, "loss": 1.9}\nINFO checkpoint written\n'
-    assert final_state_from_log(json_log) == TrainerMetrics(step=30)
+    assert final_state_from_log(json_log) == TrainerProgress(step=30)
     quiet_log = "dtjob-trainer[rank 0] 14:23:29 INFO training complete at step 60\n"
-    assert final_state_from_log(quiet_log) == TrainerMetrics(step=60)
+    assert final_state_from_log(quiet_log) == TrainerProgress(step=60)
     closing = "INFO training complete at step 30; last checkpoint step 30 at 1764425000.250\n"
-    assert final_state_from_log(json_log + closing) == TrainerMetrics(30, 30, 1764425000.25)
+    assert final_state_from_log(json_log + closing) == TrainerProgress(30, 30, 1764425000.25)
     assert final_state_from_log("Traceback (most recent call last):\n") is None

@@ -1,6 +1,7 @@
 """The DistributedTrainingJob API (training.dtjob.io/v1alpha1): models, rules and the CRD generator.
 
-The operator uses `parse_job` (object -> model) and `validate_job` (the CRD's rules, in Python).
+The operator checks every job with `validate_job` (the CRD's rules, in Python), which reads the
+object through `parse_job` (object -> model); the operator's JobView parses the spec itself.
 """
 
 from dtjob.api.models import (

@@ -103,6 +103,22 @@ class ElasticPolicy(ApiModel):
         "ExitCode fails the job at once when the exit code is in permanentExitCodes and "
         "restarts the gang otherwise.",
     )
+    heartbeat_timeout_seconds: int = Field(
+        default=10,
+        ge=1,
+        le=3600,
+        description="A rank whose heartbeat (about one a second, through the rendezvous store) is "
+        "silent this long is lost: the other ranks exit 76 naming it, and the gang restarts "
+        "(counted), without waiting for a collective timeout or the node to turn NotReady. "
+        "Given to the trainer as DTJOB_HEARTBEAT_TIMEOUT.",
+    )
+    progress_deadline_seconds: int | None = Field(
+        default=None,
+        ge=1,
+        description="A running gang whose step (rank 0's dtjob_trainer_step) does not advance "
+        "for this long is restarted (counted), whatever the trainer does. Unset: off. Needs a "
+        "trainer that publishes the step; condition MetricsAvailable says when it does not.",
+    )
     permanent_exit_codes: list[Annotated[int, Field(ge=1, le=255)]] = Field(
         default_factory=lambda: [2, 126, 127],
         max_length=64,
@@ -246,7 +262,10 @@ class Condition(ApiModel):
     """One observation of the job's state, in the usual Kubernetes condition shape."""
 
     type: str = Field(
-        description="Condition type: Created, Running, Restarting, Suspended, Succeeded or Failed."
+        description="Condition type: Created, Running, Restarting, Suspended, Succeeded, Failed "
+        "(the phases); Valid (the spec passes every rule), Schedulable (the workers fit), "
+        "MetricsAvailable (what the trainer publishes), Waiting (what the operator waits for), "
+        "Reconciled (the operator's last pass went through)."
     )
     status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
     reason: str | None = Field(default=None, description="One-word CamelCase reason for the last transition.")
@@ -297,6 +316,9 @@ class DistributedTrainingJobStatus(ApiModel):
     )
     step: int | None = Field(default=None, ge=0, description="Latest training step reported by rank 0.")
     last_checkpoint: CheckpointStatus | None = Field(default=None, description="Newest complete checkpoint.")
+    last_progress_time: datetime | None = Field(
+        default=None, description="When status.step last changed (elastic.progressDeadlineSeconds)."
+    )
     observed_generation: int | None = Field(
         default=None, description="metadata.generation of the spec the operator last acted on."
     )

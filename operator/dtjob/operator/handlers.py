@@ -1,4 +1,4 @@
-"""Thin kopf handlers: every trigger ends in `JobReconciler.reconcile(namespace, name)`.
+"""Thin kopf handlers: every trigger ends in `JobPassRunner.trigger(namespace, name)`.
 
 Triggers: a timer per job (scrapes the trainer's step, notices deadlines, TTLs and node loss), any
 event of the job itself (create, spec change such as `kubectl scale`, status), and any event of a
@@ -8,80 +8,15 @@ as soon as the API server reports the change.
 
 from __future__ import annotations
 
-import json
-import logging
-import threading
-import time
 from typing import Any
 
 import kopf
-from kubernetes.client.rest import ApiException
 
 from dtjob.operator.jobview import GROUP, LABEL_JOB, PLURAL, VERSION
-from dtjob.operator.kube import Kube
-from dtjob.operator.metrics import OperatorMetrics
-from dtjob.operator.reconciler import reconcile
+from dtjob.operator.passes import JobPassRunner
+from dtjob.operator.settings import OperatorSettings
 
-log = logging.getLogger("dtjob.operator")
 FINALIZER = "training.dtjob.io/operator"
-
-
-class JobReconciler:
-    """Runs observe -> reconcile -> execute for one job at a time.
-
-    Concurrent triggers for the same job coalesce: while a pass runs, further triggers only mark
-    the job dirty and the running pass goes once more, so there is never more than one pass per
-    job in flight and never a trigger lost.
-    """
-
-    def __init__(self, kube: Kube, metrics: OperatorMetrics) -> None:
-        self.kube = kube
-        self.metrics = metrics
-        self._guard = threading.Lock()
-        self._running: set[tuple[str, str]] = set()
-        self._dirty: set[tuple[str, str]] = set()
-
-    def reconcile(self, namespace: str, name: str) -> None:
-        key = (namespace, name)
-        with self._guard:
-            if key in self._running:
-                self._dirty.add(key)
-                return
-            self._running.add(key)
-        try:
-            while True:
-                self._once(namespace, name)
-                with self._guard:
-                    if key not in self._dirty:
-                        break
-                    self._dirty.discard(key)
-        finally:
-            with self._guard:
-                self._running.discard(key)
-                self._dirty.discard(key)
-
-    def _once(self, namespace: str, name: str) -> None:
-        started = time.perf_counter()
-        job = self.kube.get_job(namespace, name)
-        if job is None:
-            self.metrics.job_phase(namespace, name, None)
-            return
-        actions = reconcile(self.kube.observe(job))
-        try:
-            self.kube.execute(job, actions)
-        except ApiException as e:
-            # Level-triggered: the next trigger (at the latest the timer) observes again and
-            # decides again, so a failed call needs a log line, not a retry of its own.
-            log.warning("%s/%s: %s %s: %s", namespace, name, e.status, e.reason, _message(e))
-        phase = (job.get("status") or {}).get("phase")
-        for action in actions:
-            if hasattr(action, "status") and "phase" in action.status:
-                phase = action.status["phase"]
-        self.metrics.job_phase(namespace, name, phase)
-        self.metrics.reconcile_seconds.observe(time.perf_counter() - started)
-
-    def forget(self, namespace: str, name: str) -> None:
-        self.metrics.job_phase(namespace, name, None)
 
 
 def needs_timer(phase: str | None, spec: Any) -> bool:
@@ -94,16 +29,10 @@ def needs_timer(phase: str | None, spec: Any) -> bool:
     return True
 
 
-def _message(error: ApiException) -> str:
-    try:
-        return str(json.loads(error.body or "{}").get("message", error.body))
-    except ValueError:
-        return str(error.body)
-
-
-def build_registry(reconciler: JobReconciler, interval: float) -> kopf.OperatorRegistry:
+def build_registry(runner: JobPassRunner, settings: OperatorSettings) -> kopf.OperatorRegistry:
     """The kopf handlers, registered on their own registry (so tests and main build it fresh)."""
     registry = kopf.OperatorRegistry()
+    max_workers = settings.max_workers  # the startup handler's own `settings` are kopf's
 
     @kopf.on.startup(registry=registry)
     def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
@@ -111,8 +40,7 @@ def build_registry(reconciler: JobReconciler, interval: float) -> kopf.OperatorR
         # Events are ours (EmitEvent, one per transition); kopf's per-handler log events would
         # bury them.
         settings.posting.enabled = False
-        # Sync handlers run in this many threads: one pass per job at a time, many jobs at once.
-        settings.execution.max_workers = 16
+        settings.execution.max_workers = max_workers
         # No runtime watch of CRDs and namespaces: the job CRD exists before the operator starts
         # (helm installs it first), and a least-privilege install (the helm chart) grants neither,
         # which kopf would otherwise report with a burst of retried 403 errors at every start.
@@ -124,21 +52,21 @@ def build_registry(reconciler: JobReconciler, interval: float) -> kopf.OperatorR
         # (a custom registry does not inherit kopf's default login handlers).
         return kopf.login_via_client(**kwargs)
 
-    @kopf.timer(GROUP, VERSION, PLURAL, interval=interval, registry=registry)
+    @kopf.timer(GROUP, VERSION, PLURAL, interval=settings.interval_seconds, registry=registry)
     def job_timer(namespace: str | None, name: str, status: kopf.Status, spec: kopf.Spec, **_: Any) -> None:
         if not needs_timer(status.get("phase"), spec):
             return  # idle: only a spec change (a job event) or a pod event can change anything
-        reconciler.reconcile(namespace or "default", name)
+        runner.trigger(namespace or "default", name)
 
     @kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)
     def job_event(type: str, namespace: str | None, name: str, **_: Any) -> None:
         if type == "DELETED":
-            reconciler.forget(namespace or "default", name)
+            runner.forget(namespace or "default", name)
         else:
-            reconciler.reconcile(namespace or "default", name)
+            runner.trigger(namespace or "default", name)
 
     @kopf.on.event("", "v1", "pods", labels={LABEL_JOB: kopf.PRESENT}, registry=registry)
     def pod_event(namespace: str | None, labels: kopf.Labels, **_: Any) -> None:
-        reconciler.reconcile(namespace or "default", labels[LABEL_JOB])
+        runner.trigger(namespace or "default", labels[LABEL_JOB])
 
     return registry

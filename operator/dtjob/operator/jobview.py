@@ -164,6 +164,16 @@ class JobView:
         return float(self.spec.elastic.unschedulable_timeout_seconds)
 
     @property
+    def heartbeat_timeout_seconds(self) -> int:
+        """elastic.heartbeatTimeoutSeconds: a rank silent this long is lost (DTJOB_HEARTBEAT_TIMEOUT)."""
+        return self.spec.elastic.heartbeat_timeout_seconds
+
+    @property
+    def progress_deadline_seconds(self) -> int | None:
+        """elastic.progressDeadlineSeconds: None is off."""
+        return self.spec.elastic.progress_deadline_seconds
+
+    @property
     def restart_policy(self) -> str:
         """OnFailure (always restart), Never (any failure fails the job) or ExitCode (default)."""
         return self.spec.elastic.restart_policy.value

@@ -35,19 +35,13 @@ from dtjob.operator.actions import (
 from dtjob.operator.jobview import API_VERSION, GROUP, KIND, LABEL_JOB, PLURAL, VERSION, JobView
 from dtjob.operator.metrics import OperatorMetrics
 from dtjob.operator.pods import PODGROUP_API_VERSION
-from dtjob.operator.reconciler import Observed, TrainerMetrics, Worker
+from dtjob.operator.progress import TrainerProgress
+from dtjob.operator.reconciler import Observed, Worker
+from dtjob.operator.settings import ObserverSettings
 
 log = logging.getLogger("dtjob.operator")
 PODGROUP_GROUP, PODGROUP_VERSION = PODGROUP_API_VERSION.split("/")
 PODGROUP_PLURAL = "podgroups"
-# Nodes and the pods bound to them change slowly next to a reconcile; one cluster-wide list
-# serves every job reconciled within this many seconds (50 jobs on a 5 s timer would otherwise
-# list every pod of the cluster 10 times a second).
-CLUSTER_VIEW_TTL_SECONDS = 2.0
-# Rank 0's metrics endpoint must answer quickly: a reconcile waits for it.
-METRICS_TIMEOUT_SECONDS = 1.0
-# Lines of a finished rank 0's log read to find its final step.
-FINAL_LOG_LINES = 20
 TRAINER_GAUGES = {
     contract.METRIC_STEP: "step",
     contract.METRIC_LAST_CHECKPOINT_STEP: "checkpoint_step",
@@ -67,7 +61,7 @@ def _dict(api: client.ApiClient, obj: Any) -> dict[str, Any]:
     return cast(dict[str, Any], api.sanitize_for_serialization(obj))
 
 
-def parse_trainer_metrics(text: str) -> TrainerMetrics:
+def parse_trainer_metrics(text: str) -> TrainerProgress:
     """Pick the trainer's gauges out of Prometheus text exposition format."""
     values: dict[str, float] = {}
     for line in text.splitlines():
@@ -82,20 +76,21 @@ def parse_trainer_metrics(text: str) -> TrainerMetrics:
                 continue
     step = values.get("step")
     checkpoint_step = values.get("checkpoint_step")
-    return TrainerMetrics(
+    return TrainerProgress(
         step=None if step is None else int(step),
         # the trainer reports -1 (or nothing) before its first checkpoint
         checkpoint_step=None if checkpoint_step is None or checkpoint_step < 0 else int(checkpoint_step),
         checkpoint_time=values.get("checkpoint_time") or None,
+        checkpoints_published=checkpoint_step is not None,
     )
 
 
-def final_state_from_log(text: str) -> TrainerMetrics | None:
+def final_state_from_log(text: str) -> TrainerProgress | None:
     """The final step (and last checkpoint) in a finished trainer's log: its closing "training
     complete at step N; last checkpoint step M at T" line, else its last per-step JSON line."""
     completion = contract.parse_complete_line(text)
     if completion is not None:
-        return TrainerMetrics(completion.step, completion.checkpoint_step, completion.checkpoint_time)
+        return TrainerProgress(completion.step, completion.checkpoint_step, completion.checkpoint_time)
     lines = [line.strip() for line in reversed(text.splitlines())]
     for line in lines:
         if line.startswith("{"):
@@ -104,14 +99,15 @@ def final_state_from_log(text: str) -> TrainerMetrics | None:
             except ValueError:
                 continue
             if isinstance(record, dict) and isinstance(record.get("step"), int):
-                return TrainerMetrics(step=int(record["step"]))
+                return TrainerProgress(step=int(record["step"]))
     return None
 
 
 class Kube:
     """One client for the whole operator."""
 
-    def __init__(self, metrics: OperatorMetrics) -> None:
+    def __init__(self, metrics: OperatorMetrics, settings: ObserverSettings) -> None:
+        self.settings = settings
         self.api = client.ApiClient()
         self.core = client.CoreV1Api(self.api)
         self.custom = client.CustomObjectsApi(self.api)
@@ -132,10 +128,10 @@ class Kube:
             raise
 
     def _cluster(self, namespace: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-        """Nodes, and the pods bound to nodes (cached briefly, see CLUSTER_VIEW_TTL_SECONDS)."""
+        """Nodes, and the pods bound to nodes (cached briefly: settings.cluster_view_ttl_seconds)."""
         with self._cluster_lock:
             now = time.monotonic()
-            if self._cluster_view and now - self._cluster_view[0] < CLUSTER_VIEW_TTL_SECONDS:
+            if self._cluster_view and now - self._cluster_view[0] < self.settings.cluster_view_ttl_seconds:
                 return self._cluster_view[1], self._cluster_view[2]
             nodes = [_dict(self.api, n) for n in self.core.list_node().items]
             try:
@@ -178,8 +174,27 @@ class Kube:
             node_pods=node_pods,
             service_exists=service_exists,
             podgroup=podgroup,
-            metrics=self._scrape_rank0(view, pods) if spec_ok else None,
+            progress=self._scrape_rank0(view, pods) if spec_ok else None,
+            worker_logs=self._peer_lost_logs(view, pods),
         )
+
+    def _peer_lost_logs(self, job: JobView, pods: list[dict[str, Any]]) -> dict[str, str]:
+        """Log tails of the current generation's workers that exited EXIT_PEER_LOST: they name
+        the rank that went silent."""
+        logs: dict[str, str] = {}
+        for pod in pods:
+            w = Worker.of(pod)
+            if w.generation != job.status.get("generation") or w.exit_code != contract.EXIT_PEER_LOST:
+                continue
+            try:
+                text = self.core.read_namespaced_pod_log(
+                    w.name, job.namespace, container="trainer", tail_lines=self.settings.log_tail_lines
+                )
+            except ApiException as e:
+                log.debug("no log of %s/%s: %s", job.namespace, w.name, e.reason)
+                continue
+            logs[w.name] = str(text)
+        return logs
 
     def _get_podgroup(self, job: JobView) -> dict[str, Any] | None:
         try:
@@ -192,7 +207,7 @@ class Kube:
                 return None
             raise
 
-    def _scrape_rank0(self, job: JobView, pods: list[dict[str, Any]]) -> TrainerMetrics | None:
+    def _scrape_rank0(self, job: JobView, pods: list[dict[str, Any]]) -> TrainerProgress | None:
         generation = job.status.get("generation")
         for pod in pods:
             w = Worker.of(pod)
@@ -202,18 +217,22 @@ class Kube:
             if w.rank == 0 and w.generation == generation and w.phase == "Running" and ip:
                 url = f"http://{ip}:{job.metrics_port}/metrics"
                 try:
-                    with urllib.request.urlopen(url, timeout=METRICS_TIMEOUT_SECONDS) as response:
+                    with urllib.request.urlopen(
+                        url, timeout=self.settings.metrics_timeout_seconds
+                    ) as response:
                         return parse_trainer_metrics(response.read().decode())
                 except OSError as e:
                     log.debug("no metrics from %s: %s", url, e)
         return None
 
-    def _final_step(self, job: JobView, pod: str) -> TrainerMetrics | None:
+    def _final_step(self, job: JobView, pod: str) -> TrainerProgress | None:
         """Where a finished rank 0 ended, from its log (its metrics endpoint is gone)."""
         if job.status.get("phase") in {"Succeeded", "Failed"}:
             return None  # already recorded
         try:
-            text = self.core.read_namespaced_pod_log(pod, job.namespace, tail_lines=FINAL_LOG_LINES)
+            text = self.core.read_namespaced_pod_log(
+                pod, job.namespace, tail_lines=self.settings.log_tail_lines
+            )
         except ApiException as e:
             log.debug("no log of %s/%s: %s", job.namespace, pod, e.reason)
             return None
@@ -221,9 +240,14 @@ class Kube:
 
     # acting -------------------------------------------------------------------------------
     def execute(self, job: Mapping[str, Any], actions: list[Action]) -> None:
+        """Carry the actions out in order; the first that fails raises ActionFailed (the rest are
+        left for the next pass, which decides again from what it sees)."""
         view = JobView(job)
         for action in actions:
-            self._execute_one(view, action)
+            try:
+                self._execute_one(view, action)
+            except Exception as error:
+                raise ActionFailed(action, error) from error
 
     def _execute_one(self, job: JobView, action: Action) -> None:
         ns, name = job.namespace, job.name
@@ -288,6 +312,36 @@ class Kube:
             log.warning(
                 "could not post event %s on %s/%s: %s", event.reason, job.namespace, job.name, e.reason
             )
+
+
+class ActionFailed(Exception):
+    """An action the API server (or the kubernetes client) refused; `error` says why."""
+
+    def __init__(self, action: Action, error: Exception) -> None:
+        super().__init__(f"{describe_action(action)}: {error}")
+        self.action = action
+        self.error = error
+
+
+def describe_action(action: Action) -> str:
+    """What an action does, in the words of an error message ("creating pod gpt-worker-0")."""
+    match action:
+        case PatchStatus():
+            return "writing the job's status"
+        case CreateService(manifest=manifest):
+            return f"creating Service {manifest['metadata']['name']}"
+        case ApplyPodGroup(manifest=manifest):
+            return f"applying PodGroup {manifest['metadata']['name']}"
+        case CreatePod():
+            return f"creating pod {action.name}"
+        case DeletePod(name=pod):
+            return f"deleting pod {pod}"
+        case DeleteJob():
+            return "deleting the job"
+        case EmitEvent(reason=reason):
+            return f"posting event {reason}"
+        case _:
+            return f"recording {type(action).__name__}"
 
 
 def _controlled_by(pod: Mapping[str, Any], uid: str) -> bool:

@@ -1,7 +1,10 @@
 """`dtjob operator`: run the operator (kopf underneath).
 
 dtjob operator [--namespace NS ...| --all-namespaces] [--peering NAME | --standalone]
-               [--liveness URL] [--metrics-port PORT] [--interval SECONDS]
+               [--liveness URL] [--metrics-port PORT] [--interval SECONDS] [tuning flags]
+
+The flags (and the DTJOB_WORKER_* environment the helm chart sets) become one `OperatorSettings`
+(`build_settings`); see dtjob.operator.settings for what each setting does.
 """
 
 from __future__ import annotations
@@ -10,17 +13,16 @@ import argparse
 import logging
 import os
 import sys
+from collections.abc import Mapping
 
-# Port of the operator's own /metrics; the trainer's is 9400 inside each pod's namespace.
-DEFAULT_METRICS_PORT = 9401
-DEFAULT_LIVENESS = "http://0.0.0.0:8080/healthz"
-# The timer reconciles every job this often even when nothing happens, to read the trainer's step
-# and to notice deadlines, TTLs and lost nodes (node events are not watched: a node turns NotReady
-# only after its lease expires, tens of seconds, so 5 s more do not matter).
-DEFAULT_INTERVAL_SECONDS = 5.0
+from dtjob.operator.settings import ObserverSettings, OperatorSettings, ReconcilerSettings, RetrySettings
+from dtjob.operator.worker_defaults import WorkerDefaultsError, from_env
+
+DEFAULTS = OperatorSettings()
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
+    d, r, o, retry = DEFAULTS, DEFAULTS.reconciler, DEFAULTS.observer, DEFAULTS.retry
     parser = argparse.ArgumentParser(prog="dtjob operator", description=__doc__.splitlines()[0])
     scope = parser.add_mutually_exclusive_group()
     scope.add_argument("--namespace", "-n", action="append", default=[], metavar="NS",
@@ -28,19 +30,40 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     scope.add_argument("--all-namespaces", "-A", action="store_true",
                        help="serve every namespace (the default without --namespace)")  # fmt: skip
     peering = parser.add_mutually_exclusive_group()
-    peering.add_argument("--peering", default="dtjob", metavar="NAME",
+    peering.add_argument("--peering", default=d.peering, metavar="NAME",
                          help="kopf peering name shared by replicas; one is active")  # fmt: skip
     peering.add_argument(
         "--standalone", action="store_true", help="no peering: this replica is always active"
     )
-    parser.add_argument("--priority", type=int, default=0, help="peering priority; the highest one is active")
-    parser.add_argument("--liveness", default=DEFAULT_LIVENESS, metavar="URL",
-                        help=f"liveness endpoint (default {DEFAULT_LIVENESS}; 'none' disables)")  # fmt: skip
-    parser.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT, metavar="PORT",
+    parser.add_argument(
+        "--priority", type=int, default=d.priority, help="peering priority; the highest one is active"
+    )
+    parser.add_argument("--liveness", default=d.liveness, metavar="URL",
+                        help="liveness endpoint (default %(default)s; 'none' disables)")  # fmt: skip
+    parser.add_argument("--metrics-port", type=int, default=d.metrics_port, metavar="PORT",
                         help="port of the operator's /metrics (0: none)")  # fmt: skip
-    parser.add_argument("--interval", type=float, default=DEFAULT_INTERVAL_SECONDS, metavar="SECONDS",
+    parser.add_argument("--interval", type=float, default=d.interval_seconds, metavar="SECONDS",
                         help="reconcile every job at least this often")  # fmt: skip
     parser.add_argument("--verbose", "-v", action="store_true", help="debug logging")
+    tuning = parser.add_argument_group("tuning (each flag sets a field of dtjob.operator.settings)")
+    for flag, kind, default, text in (
+        ("--max-workers", int, d.max_workers, "threads running passes: jobs reconciled at once"),
+        ("--grow-hold-seconds", float, r.grow_hold_seconds, "a gang runs this long at a size before growing"),
+        ("--unplanned-stop-grace-seconds", int, r.unplanned_stop_grace_seconds,
+         "SIGTERM-to-SIGKILL grace of the survivors of a failure"),
+        ("--metrics-grace-seconds", float, r.metrics_grace_seconds,
+         "running time after which a rank 0 serving no metrics means a trainer that publishes none"),
+        ("--cluster-view-ttl-seconds", float, o.cluster_view_ttl_seconds,
+         "reuse one list of nodes and bound pods this long"),
+        ("--metrics-timeout-seconds", float, o.metrics_timeout_seconds, "timeout of one scrape of rank 0"),
+        ("--log-tail-lines", int, o.log_tail_lines, "lines of a finished worker's log read"),
+        ("--retry-backoff-seconds", float, retry.backoff_seconds,
+         "first retry delay of a failing job; doubled per failure in a row"),
+        ("--retry-backoff-max-seconds", float, retry.backoff_max_seconds, "longest retry delay"),
+    ):  # fmt: skip
+        tuning.add_argument(
+            flag, type=kind, default=default, metavar="N", help=f"{text} (default %(default)s)"
+        )
     args = parser.parse_args(argv)
     if args.interval <= 0:
         parser.error(f"--interval must be positive, got {args.interval}")
@@ -49,13 +72,47 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def build_settings(args: argparse.Namespace, env: Mapping[str, str]) -> OperatorSettings:
+    """The operator's settings from its flags and environment. ValueError (WorkerDefaultsError
+    included) names the setting or variable that is wrong."""
+    return OperatorSettings(
+        namespaces=tuple(args.namespace),
+        peering=None if args.standalone else args.peering,
+        priority=args.priority,
+        liveness=None if args.liveness == "none" else args.liveness,
+        metrics_port=args.metrics_port,
+        interval_seconds=args.interval,
+        max_workers=args.max_workers,
+        verbose=args.verbose,
+        reconciler=ReconcilerSettings(
+            grow_hold_seconds=args.grow_hold_seconds,
+            unplanned_stop_grace_seconds=args.unplanned_stop_grace_seconds,
+            metrics_grace_seconds=args.metrics_grace_seconds,
+            workers=from_env(env),
+        ),
+        observer=ObserverSettings(
+            cluster_view_ttl_seconds=args.cluster_view_ttl_seconds,
+            metrics_timeout_seconds=args.metrics_timeout_seconds,
+            log_tail_lines=args.log_tail_lines,
+        ),
+        retry=RetrySettings(
+            backoff_seconds=args.retry_backoff_seconds, backoff_max_seconds=args.retry_backoff_max_seconds
+        ),
+    )
+
+
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
+    try:
+        settings = build_settings(args, os.environ)
+    except (WorkerDefaultsError, ValueError) as e:
+        print(f"dtjob operator: {e}", file=sys.stderr)
+        return 2
     logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
+        level=logging.DEBUG if settings.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    if not args.verbose:
+    if not settings.verbose:
         # kopf logs every handler call at INFO; ours say what changed.
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
         logging.getLogger("urllib3").setLevel(logging.ERROR)
@@ -63,39 +120,33 @@ def main(argv: list[str]) -> int:
     import kopf
     from prometheus_client import start_http_server
 
-    from dtjob.operator import worker_defaults
-    from dtjob.operator.handlers import JobReconciler, build_registry
+    from dtjob.operator.handlers import build_registry
     from dtjob.operator.kube import Kube, load_config
     from dtjob.operator.metrics import OperatorMetrics
+    from dtjob.operator.passes import JobPassRunner
     from dtjob.operator.peering import ensure_peering
 
-    clusterwide = not args.namespace
-    # Worker-pod defaults from the installer (the helm chart's `workers.*` values).
-    try:
-        worker_defaults.configure(worker_defaults.from_env(os.environ))
-    except worker_defaults.WorkerDefaultsError as e:
-        print(f"dtjob operator: {e}", file=sys.stderr)
-        return 2
+    clusterwide = not settings.namespaces
     load_config()
-    if not args.standalone:
-        ensure_peering(args.peering, clusterwide, args.namespace)
+    if settings.peering is not None:
+        ensure_peering(settings.peering, clusterwide, list(settings.namespaces))
     metrics = OperatorMetrics()
-    if args.metrics_port:
-        start_http_server(args.metrics_port, registry=metrics.registry)
-    reconciler = JobReconciler(Kube(metrics), metrics)
-    registry = build_registry(reconciler, args.interval)
+    if settings.metrics_port:
+        start_http_server(settings.metrics_port, registry=metrics.registry)
+    runner = JobPassRunner(Kube(metrics, settings.observer), metrics, settings)
+    registry = build_registry(runner, settings)
     logging.getLogger("dtjob.operator").info(
-        "serving %s, peering %s", "all namespaces" if clusterwide else ", ".join(args.namespace),
-        "off" if args.standalone else args.peering,
+        "serving %s, peering %s", "all namespaces" if clusterwide else ", ".join(settings.namespaces),
+        settings.peering or "off",
     )  # fmt: skip
     kopf.run(
         registry=registry,
         clusterwide=clusterwide,
-        namespaces=args.namespace,
-        standalone=args.standalone or None,
-        peering_name=None if args.standalone else args.peering,
-        priority=args.priority,
-        liveness_endpoint=None if args.liveness == "none" else args.liveness,
+        namespaces=list(settings.namespaces),
+        standalone=settings.peering is None or None,
+        peering_name=settings.peering,
+        priority=settings.priority,
+        liveness_endpoint=settings.liveness,
     )
     return 0
 

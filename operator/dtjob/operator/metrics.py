@@ -29,6 +29,12 @@ class OperatorMetrics:
             "Time to observe, decide and act on one job",
             registry=r,
         )
+        self.reconcile_errors = Counter(
+            "dtjob_operator_reconcile_errors",
+            "Failed passes by stage (observe, decide, act); each is retried with backoff",
+            ["stage"],
+            registry=r,
+        )
         # Seconds: a gang restart waits for SIGTERM grace and a new rendezvous, so 1 s .. 10 min.
         self.recovery_seconds = Histogram(
             "dtjob_operator_time_to_recover_seconds",

@@ -1,6 +1,7 @@
 """Manifests of a job's children: worker pods, the headless Service and the Volcano PodGroup.
 
-Pure functions of the job (a JobView), so the reconciler can decide with them and the unit tests
+Pure functions of the job (a JobView) and of what they are given (the installer's worker defaults),
+so the reconciler can decide with them and the unit tests
 can check them without a cluster. The shapes follow DESIGN.md ("What the operator gives each
 worker pod").
 """
@@ -13,7 +14,6 @@ from decimal import Decimal
 from typing import Any
 
 from dtjob import contract
-from dtjob.operator import worker_defaults
 from dtjob.operator.jobview import (
     API_VERSION,
     KIND,
@@ -25,7 +25,8 @@ from dtjob.operator.jobview import (
     TRAINER_CONTAINER,
     JobView,
 )
-from dtjob.operator.quantity import format_quantity, parse_quantity
+from dtjob.operator.quantity import format_quantity, parse_quantity, stringify_quantities
+from dtjob.operator.worker_defaults import WorkerDefaults
 
 PODGROUP_API_VERSION = "scheduling.volcano.sh/v1beta1"
 PODGROUP_ANNOTATION = "scheduling.k8s.io/group-name"
@@ -74,6 +75,7 @@ def _trainer_env(job: JobView, rank: int, world_size: int, generation: int) -> l
         c.ENV_GENERATION: str(generation),
         c.ENV_CHECKPOINT_DIR: job.checkpoint_mount_path,
         c.ENV_METRICS_PORT: str(job.metrics_port),
+        c.ENV_HEARTBEAT_TIMEOUT: str(job.heartbeat_timeout_seconds),
     }
     return [{"name": k, "value": v} for k, v in values.items()]
 
@@ -105,8 +107,10 @@ def _run_through_launcher(container: dict[str, Any]) -> None:
     container.pop("args", None)
 
 
-def worker_pod(job: JobView, rank: int, world_size: int, generation: int) -> dict[str, Any]:
-    """The pod of one worker of one generation."""
+def worker_pod(
+    job: JobView, rank: int, world_size: int, generation: int, defaults: WorkerDefaults
+) -> dict[str, Any]:
+    """The pod of one worker of one generation; `defaults` are the installer's worker defaults."""
     template = copy.deepcopy(dict(job.template))
     meta = template.get("metadata") or {}
     spec: dict[str, Any] = template.get("spec") or {}
@@ -130,7 +134,7 @@ def worker_pod(job: JobView, rank: int, world_size: int, generation: int) -> dic
     # it alone in a process group its peers already left.
     spec["restartPolicy"] = "Never"
     # The installer's defaults (helm chart values `workers.*`) fill what the template leaves unset.
-    worker_defaults.current().apply(spec)
+    defaults.apply(spec)
     # Workers need no API access (the operator reads their progress from their metrics port):
     # no service account token unless the template asks for one.
     spec.setdefault("automountServiceAccountToken", False)
@@ -173,6 +177,9 @@ def worker_pod(job: JobView, rank: int, world_size: int, generation: int) -> dic
                 {"name": volume["name"], "mountPath": job.checkpoint_mount_path},
             ]
 
+    # The template may write a quantity as a number (`nvidia.com/gpu: 1`), which the API server
+    # accepts and the kubernetes client refuses.
+    stringify_quantities(spec)
     return {
         "apiVersion": "v1",
         "kind": "Pod",

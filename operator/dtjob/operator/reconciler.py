@@ -1,11 +1,11 @@
 """The pure reconciler: observed job, pods and nodes in; the actions that converge them out.
 
-No I/O happens here. `reconcile(Observed(...))` looks at the job's status (its memory: phase,
-generation, world size, restarts), at the worker pods carrying its job-name label, and at the
-nodes, and returns the actions of `dtjob.operator.actions`. It is level-triggered: whatever
-happened before (an operator killed half-way, missed events), the same observation gives the same
-decision, and applying it twice does no harm (pod names are fixed per rank, so a second create is
-an AlreadyExists, never a duplicate).
+No I/O happens here. `reconcile(Observed(...), settings)` looks at the job's status (its memory:
+phase, generation, world size, restarts, what the trainer publishes), at the worker pods carrying
+its job-name label, and at the nodes, and returns the actions of `dtjob.operator.actions`. It is
+level-triggered: whatever happened before (an operator killed half-way, missed events), the same
+observation gives the same decision, and applying it twice does no harm (pod names are fixed per
+rank, so a second create is an AlreadyExists, never a duplicate).
 
 The rules, in the order they are checked:
 
@@ -18,12 +18,18 @@ The rules, in the order they are checked:
 5. Pods of an older generation are deleted; the new generation's pods are created only after the
    old ones are gone (they share names, and the old rank 0 owns MASTER_ADDR until it exits).
 6. In the current generation: a permanent exit code fails the job; all workers exiting 0 succeeds
-   it; a failed, deleted or node-lost worker starts a new generation (restarts += 1, the job fails
-   once restarts would exceed maxRestarts) sized to what fits now, never below minReplicas; a
-   worker that exited 75 on its own (stopped with a checkpoint) restarts the gang uncounted.
+   it; a failed, deleted or node-lost worker, survivors exiting 76 (a lost peer, named from their
+   logs), or a step that did not advance for progressDeadlineSeconds start a new generation
+   (restarts += 1, the job fails once restarts would exceed maxRestarts) sized to what fits now,
+   never below minReplicas; a worker that exited 75 on its own (stopped with a checkpoint)
+   restarts the gang uncounted.
 7. Pods unschedulable past the elastic scheduling timeout shrink the job to what fits (planned).
 8. A healthy gang whose world size differs from the desired one rescales (planned): down at
-   once on `kubectl scale`, up when the capacity is there.
+   once on `kubectl scale`, up when the capacity is there, after the generation's first
+   checkpoint when the trainer reports checkpoints (condition MetricsAvailable).
+
+Whenever a rule holds something back, the condition Waiting says what for (old workers to exit,
+workers to run, capacity, a checkpoint, rank 0's metrics, suspend to end, a valid spec).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from dtjob import contract
 from dtjob.api import validate_job
 from dtjob.operator import pods as manifests
 from dtjob.operator.actions import (
@@ -50,28 +57,25 @@ from dtjob.operator.actions import (
 )
 from dtjob.operator.capacity import node_is_ready, workers_that_fit
 from dtjob.operator.jobview import EXIT_CHECKPOINTED, LABEL_GENERATION, LABEL_RANK, JobView
+from dtjob.operator.progress import (
+    METRICS_AVAILABLE,
+    TrainerProgress,
+    metrics_availability,
+    publishes_checkpoints,
+    publishes_step,
+    stalled_for,
+)
+from dtjob.operator.settings import ReconcilerSettings
 
 PENDING, RUNNING, RESTARTING = "Pending", "Running", "Restarting"
 SUCCEEDED, FAILED, SUSPENDED = "Succeeded", "Failed", "Suspended"
 FINISHED = {SUCCEEDED, FAILED}
 # Restart reasons that are failures (not planned rescales): time to recover is measured for these.
-FAILURE_REASONS = {"WorkerFailed", "WorkerDeleted", "NodeLost", "WorkerStopped"}
-# A grown-back gang must have run this long at its current size before it grows again, so a
-# capacity estimate the scheduler disagrees with cannot make the job flap faster than this.
-GROW_HOLD_SECONDS = 5.0
-# After a failure the survivors cannot checkpoint (a sharded checkpoint needs every rank, and a
-# peer is gone): they get SIGTERM and this long to exit before SIGKILL, not the pod's full grace
-# period, which a trainer blocked in a collective with a dead peer would use up.
-UNPLANNED_STOP_GRACE_SECONDS = 5
-
-
-@dataclass(frozen=True)
-class TrainerMetrics:
-    """What rank 0's Prometheus endpoint said (None: gauge absent)."""
-
-    step: int | None = None
-    checkpoint_step: int | None = None
-    checkpoint_time: float | None = None  # unix seconds
+FAILURE_REASONS = {
+    "WorkerFailed", "WorkerDeleted", "NodeLost", "WorkerStopped", "PeerLost", "ProgressDeadlineExceeded"
+}  # fmt: skip
+WAITING = "Waiting"
+EXIT_PEER_LOST = contract.EXIT_PEER_LOST
 
 
 @dataclass(frozen=True)
@@ -86,7 +90,10 @@ class Observed:
     node_pods: Sequence[Mapping[str, Any]] = ()
     service_exists: bool = True
     podgroup: Mapping[str, Any] | None = None
-    metrics: TrainerMetrics | None = None
+    progress: TrainerProgress | None = None
+    # Log tails of the current generation's workers that exited EXIT_PEER_LOST, by pod name
+    # (they name the lost rank).
+    worker_logs: Mapping[str, str] = field(default_factory=dict)
 
 
 def to_rfc3339(moment: datetime) -> str:
@@ -97,6 +104,28 @@ def from_rfc3339(text: str | None) -> datetime | None:
     if not text:
         return None
     return datetime.fromisoformat(text.replace("Z", "+00:00"))
+
+
+def with_condition(
+    conditions: Sequence[Mapping[str, Any]],
+    ctype: str,
+    value: bool | None,
+    reason: str,
+    message: str,
+    now: datetime,
+) -> list[dict[str, Any]]:
+    """`conditions` with the one of type `ctype` set (value None: status Unknown);
+    lastTransitionTime moves only when the status changes."""
+    updated = [dict(c) for c in conditions]
+    wanted = "Unknown" if value is None else "True" if value else "False"
+    for cond in updated:
+        if cond.get("type") == ctype:
+            if cond.get("status") != wanted:
+                cond["lastTransitionTime"] = to_rfc3339(now)
+            cond.update(status=wanted, reason=reason, message=message)
+            return updated
+    new = {"type": ctype, "status": wanted, "reason": reason, "message": message}
+    return [*updated, {**new, "lastTransitionTime": to_rfc3339(now)}]
 
 
 @dataclass(frozen=True)
@@ -112,17 +141,19 @@ class Worker:
     exit_code: int | None
     created: datetime | None
     reason: str | None
+    message: str | None = None  # the trainer container's termination message
 
     @classmethod
     def of(cls, pod: Mapping[str, Any]) -> Worker:
         meta = pod.get("metadata") or {}
         labels = meta.get("labels") or {}
         status = pod.get("status") or {}
-        exit_code = None
+        exit_code, message = None, None
         for container in status.get("containerStatuses") or []:
             terminated = (container.get("state") or {}).get("terminated")
             if terminated is not None and (exit_code is None or container.get("name") == "trainer"):
                 exit_code = int(terminated.get("exitCode", 0))
+                message = terminated.get("message")
         return cls(
             name=str(meta.get("name", "")),
             rank=_int_or_none(labels.get(LABEL_RANK)),
@@ -133,6 +164,7 @@ class Worker:
             exit_code=exit_code,
             created=from_rfc3339(meta.get("creationTimestamp")),
             reason=status.get("reason"),
+            message=message,
         )
 
     @property
@@ -150,9 +182,10 @@ def _int_or_none(value: Any) -> int | None:
 @dataclass(frozen=True)
 class Failure:
     worker: Worker
-    reason: str  # WorkerFailed, WorkerDeleted, NodeLost, WorkerStopped
+    reason: str  # WorkerFailed, WorkerDeleted, NodeLost, WorkerStopped, PeerLost, ProgressDeadlineExceeded
     message: str
     counted: bool  # counts towards maxRestarts
+    lost_rank: int | None = None  # PeerLost: the rank its log names
 
 
 @dataclass
@@ -160,10 +193,12 @@ class _Pass:
     """One reconcile pass: the status being built and the actions being collected."""
 
     obs: Observed
+    settings: ReconcilerSettings
     job: JobView
     status: dict[str, Any]
     actions: list[Action] = field(default_factory=list)
     events: list[EmitEvent] = field(default_factory=list)
+    waiting: tuple[str, str] | None = None  # (reason, message) of the Waiting condition
 
     @property
     def now(self) -> datetime:
@@ -175,26 +210,14 @@ class _Pass:
                 return dict(cond)
         return None
 
-    def set_condition(self, ctype: str, value: bool, reason: str, message: str) -> None:
-        conditions = [dict(c) for c in self.status.get("conditions") or []]
-        wanted = "True" if value else "False"
-        for cond in conditions:
-            if cond.get("type") == ctype:
-                if cond.get("status") != wanted:
-                    cond["lastTransitionTime"] = to_rfc3339(self.now)
-                cond.update(status=wanted, reason=reason, message=message)
-                break
-        else:
-            conditions.append(
-                {
-                    "type": ctype,
-                    "status": wanted,
-                    "reason": reason,
-                    "message": message,
-                    "lastTransitionTime": to_rfc3339(self.now),
-                }
-            )
-        self.status["conditions"] = conditions
+    def set_condition(self, ctype: str, value: bool | None, reason: str, message: str) -> None:
+        conditions = self.status.get("conditions") or []
+        self.status["conditions"] = with_condition(conditions, ctype, value, reason, message, self.now)
+
+    def wait(self, reason: str, message: str) -> None:
+        """Say what the operator waits for (condition Waiting); the first wait of a pass wins."""
+        if self.waiting is None:
+            self.waiting = (reason, message)
 
     def event(self, reason: str, message: str, warning: bool = False) -> None:
         self.events.append(EmitEvent("Warning" if warning else "Normal", reason, message))
@@ -235,12 +258,12 @@ class _Pass:
             self.actions.append(DeletePod(w.name, reason, grace_seconds=grace_seconds))
 
 
-def reconcile(obs: Observed) -> list[Action]:
-    """Decide what to do about one job. Pure: same observation, same actions."""
+def reconcile(obs: Observed, settings: ReconcilerSettings) -> list[Action]:
+    """Decide what to do about one job. Pure: same observation and settings, same actions."""
     job = JobView(obs.job)
     if job.deleting:
         return []  # garbage collection removes the children through their owner references
-    p = _Pass(obs, job, _copy_status(job.status))
+    p = _Pass(obs, settings, job, _copy_status(job.status))
     workers = [Worker.of(pod) for pod in obs.pods]
 
     if p.status.get("phase") in FINISHED:
@@ -258,6 +281,7 @@ def reconcile(obs: Observed) -> list[Action]:
         if (p.condition("Valid") or {}).get("message") != message:
             p.event("InvalidSpec", message, warning=True)
         p.set_condition("Valid", False, "InvalidSpec", message)
+        p.wait("InvalidSpec", "waiting for the spec to be fixed (see condition Valid)")
         return _finish(p)
     if p.condition("Valid") is not None:
         p.set_condition("Valid", True, "Valid", "the spec passes every rule")
@@ -286,6 +310,8 @@ def reconcile(obs: Observed) -> list[Action]:
     generation = int(p.status.get("generation", 0))
     size = int(p.status.get("replicas") or 0)
     current = [w for w in workers if w.generation == generation and w.rank is not None and w.rank < size]
+    _read_metrics(p)
+    _track_metrics(p, current, size)
     if not _decide(p, current, workers):
         _converge_pods(p, workers, current)
     p.status["readyReplicas"] = sum(
@@ -296,7 +322,6 @@ def reconcile(obs: Observed) -> list[Action]:
     observed = (obs.job.get("metadata") or {}).get("generation")
     if observed is not None:
         p.status["observedGeneration"] = observed
-    _read_metrics(p)
     return _finish(p)
 
 
@@ -308,6 +333,10 @@ def _copy_status(status: Mapping[str, Any]) -> dict[str, Any]:
 
 def _finish(p: _Pass) -> list[Action]:
     """The status patch (when anything changed), then the events, then the other actions."""
+    if p.waiting is not None:
+        p.set_condition(WAITING, True, *p.waiting)
+    elif (p.condition(WAITING) or {}).get("status") == "True":
+        p.set_condition(WAITING, False, "NotWaiting", "nothing to wait for")
     before = p.job.status
     changed = {k: v for k, v in p.status.items() if before.get(k) != v}
     if changed.get("conditions") == [] and not before.get("conditions"):
@@ -376,6 +405,8 @@ def _suspend(p: _Pass, workers: Sequence[Worker]) -> None:
         p.set_phase(SUSPENDED, "Suspended", "spec.runPolicy.suspend is true: workers checkpoint and stop")
     for w in workers:
         p.delete(w, "job suspended")
+    stopping = f"; {len(workers)} workers still stopping" if workers else ""
+    p.wait("Suspended", f"waiting for spec.runPolicy.suspend to be false{stopping}")
 
 
 def _capacity(p: _Pass) -> int:
@@ -395,6 +426,7 @@ def _target_size(p: _Pass) -> int:
             f"only {fits} workers fit on Ready nodes, fewer than minReplicas={job.min_replicas}: "
             f"waiting for capacity at {size} workers",
         )
+        p.wait("Capacity", f"waiting for capacity: {fits} workers fit, minReplicas is {job.min_replicas}")
     else:
         p.set_condition("Schedulable", True, "Fits", f"{fits} workers fit on Ready nodes")
     return size
@@ -433,6 +465,9 @@ def _failures(p: _Pass, current: Sequence[Worker]) -> list[Failure]:
             found.append(Failure(w, "NodeLost", f"node {w.node_name} of {w.name} is NotReady", True))
         elif w.phase == "Failed" and w.exit_code == EXIT_CHECKPOINTED:
             found.append(Failure(w, "WorkerStopped", f"{w.name} stopped after a checkpoint (exit 75)", False))
+        elif w.phase == "Failed" and w.exit_code == EXIT_PEER_LOST:
+            lost = contract.parse_peer_lost_line((w.message or "") + "\n" + p.obs.worker_logs.get(w.name, ""))
+            found.append(Failure(w, "PeerLost", f"{w.name} exited {EXIT_PEER_LOST} (peer lost)", True, lost))
         elif w.phase == "Failed":
             how = f"exit code {w.exit_code}" if w.exit_code is not None else (w.reason or "no exit code")
             found.append(Failure(w, "WorkerFailed", f"{w.name} failed ({how})", True))
@@ -448,9 +483,13 @@ def _decide(p: _Pass, current: Sequence[Worker], workers: Sequence[Worker]) -> b
     size = int(p.status.get("replicas") or 0)
     failures = _failures(p, current)
 
+    if not failures:
+        stall = _stalled(p, current, size)
+        failures = [stall] if stall is not None else []
+
     for f in failures:
         code = f.worker.exit_code
-        if f.reason != "WorkerFailed":
+        if f.reason not in {"WorkerFailed", "PeerLost"}:
             continue
         if job.restart_policy == "Never":
             _fail(p, workers, "RestartPolicyNever", f"{f.message}; elastic.restartPolicy is Never")
@@ -466,16 +505,18 @@ def _decide(p: _Pass, current: Sequence[Worker], workers: Sequence[Worker]) -> b
 
     if failures:
         counted = any(f.counted for f in failures)
-        first = failures[0]
+        message = _describe(p, failures)
         restarts = int(p.status.get("restarts") or 0)
         if counted and restarts + 1 > job.max_restarts:
             p.status["restarts"] = restarts + 1
             limit = f"restart {restarts + 1} would exceed maxRestarts={job.max_restarts}"
-            _fail(p, workers, "MaxRestartsExceeded", f"{first.message}; {limit}")
+            _fail(p, workers, "MaxRestartsExceeded", f"{message}; {limit}")
             return True
-        reason = next((f.reason for f in failures if f.counted), first.reason)
-        _new_generation(p, _target_size(p), reason, "; ".join(f.message for f in failures), counted=counted)
-        _delete_all(p, workers, UNPLANNED_STOP_GRACE_SECONDS)
+        # The cause, not its echo: survivors exit PeerLost because of another failure.
+        causes = [f for f in failures if f.counted and f.reason != "PeerLost"] or failures
+        reason = next((f.reason for f in causes if f.counted), causes[0].reason)
+        _new_generation(p, _target_size(p), reason, message, counted=counted)
+        _delete_all(p, workers, p.settings.unplanned_stop_grace_seconds)
         return True
 
     if p.status.get("phase") == RESTARTING and any(
@@ -511,6 +552,7 @@ def _maybe_shrink(p: _Pass, unscheduled: Sequence[Worker], workers: Sequence[Wor
             f"{job.scheduling_timeout_seconds:g}s and the job is at minReplicas={job.min_replicas}: "
             "waiting for capacity",
         )
+        p.wait("Capacity", f"waiting for capacity: {len(unscheduled)} of {size} workers unschedulable")
         return False
     p.set_condition(
         "Schedulable", False, "Unschedulable", f"{len(unscheduled)} of {size} workers did not fit"
@@ -524,7 +566,7 @@ def _maybe_shrink(p: _Pass, unscheduled: Sequence[Worker], workers: Sequence[Wor
         counted=False,
     )
     # A gang with unscheduled members never got past its rendezvous: nothing to checkpoint.
-    _delete_all(p, workers, UNPLANNED_STOP_GRACE_SECONDS)
+    _delete_all(p, workers, p.settings.unplanned_stop_grace_seconds)
     return True
 
 
@@ -535,31 +577,61 @@ def _maybe_rescale(p: _Pass, workers: Sequence[Worker], size: int) -> bool:
         _new_generation(p, desired, "ScaleDown", f"spec.replicas is {job.replicas}", counted=False)
         _delete_all(p, workers)
         return True
-    if size < desired:
-        running_since = from_rfc3339((p.condition(RUNNING) or {}).get("lastTransitionTime"))
-        if running_since is not None and (p.now - running_since).total_seconds() < GROW_HOLD_SECONDS:
-            return False
-        if not _checkpointed_since(p, running_since):
-            return False  # a rescale before this generation's first checkpoint would only lose its steps
-        fits = _capacity(p)
-        target = min(desired, fits)
-        if target > size:
-            _new_generation(
-                p, target, "ScaleUp", f"capacity for {fits} workers, desired {desired}", counted=False
-            )
-            p.set_condition("Schedulable", True, "Fits", f"{fits} workers fit on Ready nodes")
-            _delete_all(p, workers)
-            return True
-    return False
+    if size == desired:
+        return False
+    fits = _capacity(p)
+    target = min(desired, fits)
+    if target <= size:
+        p.wait("Capacity", f"waiting for capacity to grow from {size} to {desired} workers: {fits} fit")
+        return False
+    running_since = from_rfc3339((p.condition(RUNNING) or {}).get("lastTransitionTime"))
+    hold = p.settings.grow_hold_seconds
+    if running_since is not None and (p.now - running_since).total_seconds() < hold:
+        # No running seconds in the message: it would change (a status write) on every pass.
+        p.wait(
+            "RescaleHold",
+            f"generation {p.status.get('generation')} runs at {size} workers; it grows to {target} "
+            f"once it has run {hold:g}s",
+        )
+        return False
+    if not _checkpointed_since(p, running_since, f"growing from {size} to {target} workers"):
+        return False
+    _new_generation(p, target, "ScaleUp", f"capacity for {fits} workers, desired {desired}", counted=False)
+    p.set_condition("Schedulable", True, "Fits", f"{fits} workers fit on Ready nodes")
+    _delete_all(p, workers)
+    return True
 
 
-def _checkpointed_since(p: _Pass, since: datetime | None) -> bool:
-    """Whether the current generation made progress worth keeping: a checkpoint written since it
-    started running (always true for a job without checkpoint storage: nothing to wait for)."""
+def _checkpointed_since(p: _Pass, since: datetime | None, doing: str) -> bool:
+    """Whether the current generation's progress is safe from a planned rescale: a checkpoint
+    written since it started running, or nothing to wait for (no checkpoint storage, or a trainer
+    that does not report its checkpoints: it gets SIGTERM and its grace period, as any trainer).
+    Says what it waits for otherwise."""
     if p.job.checkpoint_volume is None or since is None:
         return True
     written = from_rfc3339((p.status.get("lastCheckpoint") or {}).get("time"))
-    return written is not None and written >= since
+    if written is not None and written >= since:
+        return True
+    reports = publishes_checkpoints(
+        p.condition(METRICS_AVAILABLE), p.status.get("lastCheckpoint") is not None
+    )
+    if reports is False:
+        return True
+    generation = p.status.get("generation")
+    if reports is None:
+        grace = p.settings.metrics_grace_seconds
+        p.wait(
+            "TrainerMetrics",
+            f"waiting up to {grace:g}s of running for rank 0's metrics, to know whether the trainer "
+            f"reports checkpoints, before {doing}",
+        )
+    else:
+        p.wait(
+            "Checkpoint",
+            f"waiting for generation {generation}'s first checkpoint before {doing} (a rescale before "
+            "it would lose the steps since the generation started)",
+        )
+    return False
 
 
 def _delete_all(p: _Pass, workers: Sequence[Worker], grace_seconds: int | None = None) -> None:
@@ -578,6 +650,12 @@ def _converge_pods(p: _Pass, workers: Sequence[Worker], current: Sequence[Worker
     for w in old:
         p.delete(w, f"generation {w.generation} replaced by generation {generation}")
     if old:
+        generations = ", ".join(sorted({str(w.generation) for w in old}))
+        p.wait(
+            "OldWorkers",
+            f"waiting for {len(old)} workers of generation {generations} to exit before starting "
+            f"generation {generation} (they share its pod names)",
+        )
         return
 
     if job.uses_podgroup:
@@ -589,9 +667,15 @@ def _converge_pods(p: _Pass, workers: Sequence[Worker], current: Sequence[Worker
     present = {w.rank for w in current}
     for rank in range(size):
         if rank not in present:
-            p.actions.append(CreatePod(manifests.worker_pod(job, rank, size, generation)))
+            manifest = manifests.worker_pod(job, rank, size, generation, p.settings.workers)
+            p.actions.append(CreatePod(manifest))
 
     running = [w for w in current if w.phase == "Running" and not w.deleting]
+    if len(running) < size and p.status.get("phase") in {PENDING, RESTARTING}:
+        unscheduled = sum(1 for w in current if not w.node_name)
+        where = f" ({unscheduled} not scheduled yet)" if unscheduled else ""
+        p.wait("Workers", f"waiting for {size - len(running)} of {size} workers of generation {generation} "
+               f"to run{where}")  # fmt: skip
     if len(running) == size and p.status.get("phase") in {PENDING, RESTARTING}:
         restarting = p.condition(RESTARTING)
         if restarting and restarting.get("status") == "True" and restarting.get("reason") in FAILURE_REASONS:
@@ -605,11 +689,71 @@ def _read_metrics(p: _Pass) -> None:
     """Step and last checkpoint from rank 0. Steps count from 1, so a gauge at 0 is a trainer
     still starting (before it loaded its checkpoint): it says nothing, and must not move the
     job's step back to 0 in between."""
-    metrics = p.obs.metrics
-    if metrics is None:
+    progress = p.obs.progress
+    if progress is None:
         return
-    if metrics.step:
-        p.status["step"] = metrics.step
-    if metrics.checkpoint_step and metrics.checkpoint_time:
-        moment = datetime.fromtimestamp(metrics.checkpoint_time, UTC)
-        p.status["lastCheckpoint"] = {"step": metrics.checkpoint_step, "time": to_rfc3339(moment)}
+    if progress.step:
+        if progress.step != p.status.get("step"):
+            p.status["lastProgressTime"] = to_rfc3339(p.now)
+        p.status["step"] = progress.step
+    if progress.checkpoint_step and progress.checkpoint_time:
+        moment = datetime.fromtimestamp(progress.checkpoint_time, UTC)
+        p.status["lastCheckpoint"] = {"step": progress.checkpoint_step, "time": to_rfc3339(moment)}
+
+
+def _running_gang(p: _Pass, current: Sequence[Worker], size: int) -> datetime | None:
+    """Since when the current generation runs in full (phase Running); None when it does not."""
+    running = [w for w in current if w.phase == "Running" and not w.deleting]
+    if p.status.get("phase") != RUNNING or size == 0 or len(running) != size:
+        return None
+    return from_rfc3339((p.condition(RUNNING) or {}).get("lastTransitionTime"))
+
+
+def _track_metrics(p: _Pass, current: Sequence[Worker], size: int) -> None:
+    """Condition MetricsAvailable: what a running rank 0 publishes (see dtjob.operator.progress)."""
+    since = _running_gang(p, current, size)
+    if since is None:
+        return
+    known = p.condition(METRICS_AVAILABLE)
+    running = (p.now - since).total_seconds()
+    seen = metrics_availability(
+        p.obs.progress, known, running, p.settings.metrics_grace_seconds, p.job.metrics_port
+    )
+    if seen is not None:
+        p.set_condition(METRICS_AVAILABLE, seen.value, seen.reason, seen.message)
+
+
+def _stalled(p: _Pass, current: Sequence[Worker], size: int) -> Failure | None:
+    """A running gang whose step has not advanced for progressDeadlineSeconds, as a failure."""
+    deadline = p.job.progress_deadline_seconds
+    since = _running_gang(p, current, size)
+    if deadline is None or since is None or not publishes_step(p.condition(METRICS_AVAILABLE)):
+        return None
+    stalled = stalled_for(p.now, from_rfc3339(p.status.get("lastProgressTime")), since)
+    if stalled is None or stalled <= deadline:
+        return None
+    rank0 = next((w for w in current if w.rank == 0), current[0])
+    message = (
+        f"step {p.status.get('step', 0)} has not advanced for {stalled:.0f}s "
+        f"(elastic.progressDeadlineSeconds={deadline})"
+    )
+    return Failure(rank0, "ProgressDeadlineExceeded", message, True)
+
+
+def _describe(p: _Pass, failures: Sequence[Failure]) -> str:
+    """One message for the failures of a pass; the survivors of a lost peer are summed up under
+    the rank they name."""
+    parts = [f.message for f in failures if f.reason != "PeerLost"]
+    lost: dict[int | None, list[str]] = {}
+    for f in failures:
+        if f.reason == "PeerLost":
+            lost.setdefault(f.lost_rank, []).append(f.worker.name)
+    timeout = p.job.heartbeat_timeout_seconds
+    for rank, names in lost.items():
+        who = f"{', '.join(names)} exited {EXIT_PEER_LOST}"
+        if rank is None:
+            parts.append(f"{who}: a peer stopped answering (no rank named in the log)")
+        else:
+            name = manifests.worker_name(p.job.name, rank)
+            parts.append(f"rank {rank} ({name}) lost: no heartbeat for {timeout}s ({who})")
+    return "; ".join(parts)

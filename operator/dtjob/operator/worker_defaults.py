@@ -1,10 +1,11 @@
 """Site-wide defaults for the worker pods, set by whoever installs the operator.
 
 The helm chart turns its `workers.*` values into these environment variables of the operator's
-container; `dtjob operator` reads them once at start (`configure(from_env(os.environ))`) and
-`pods.worker_pod` applies them. A job's own spec.template always wins: each default fills a field
-the template leaves unset (key by key inside the security contexts), and the operator's built-in
-defaults (no token, non-root, no privilege escalation, no capabilities) fill what is still unset.
+container; `dtjob operator` reads them once at start (`from_env(os.environ)`) into its settings
+(`ReconcilerSettings.workers`), and `pods.worker_pod` applies the defaults it is given. A job's own
+spec.template always wins: each default fills a field the template leaves unset (key by key inside
+the security contexts), and the operator's built-in defaults (no token, non-root, no privilege
+escalation, no capabilities) fill what is still unset.
 
   DTJOB_WORKER_SERVICE_ACCOUNT                  ServiceAccount name ("" = the namespace's default)
   DTJOB_WORKER_AUTOMOUNT_SERVICE_ACCOUNT_TOKEN  "true" or "false"
@@ -77,16 +78,3 @@ def from_env(env: Mapping[str, str]) -> WorkerDefaults:
         pod_security_context=_json_object(env, ENV_POD_SECURITY_CONTEXT),
         security_context=_json_object(env, ENV_SECURITY_CONTEXT),
     )
-
-
-_current = WorkerDefaults()
-
-
-def configure(defaults: WorkerDefaults) -> None:
-    """Sets the defaults `current()` returns (once, at operator start)."""
-    global _current
-    _current = defaults
-
-
-def current() -> WorkerDefaults:
-    return _current

@@ -1,0 +1,224 @@
+"""The impure side of a reconcile: observe a job, ask the pure reconciler, execute its actions.
+
+`JobPassRunner.trigger(namespace, name)` is what every kopf handler calls. Triggers of one job
+coalesce (`Coalescer`): never two passes of a job at once, and every trigger answered by a pass
+that starts after it.
+
+No error of a pass is only a log line. Any exception while observing, deciding or acting shows
+on the job as a Warning event (when the error is new) and the condition `Reconciled=False` with
+the stage as its reason (ObserveFailed, ReconcileFailed, ActionFailed) and a short message with
+the attempt and the next retry. The job is then retried with backoff (`RetrySettings`): other
+triggers wait for the retry, so a failing job never loops, and the retry comes even for a job the
+timer skips (a Suspended one). The first pass that succeeds again sets `Reconciled=True` and
+posts a Normal event `Recovered`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from kubernetes.client.rest import ApiException
+from pydantic import ValidationError
+
+from dtjob.operator.actions import EmitEvent, PatchStatus
+from dtjob.operator.coalescer import Coalescer
+from dtjob.operator.kube import ActionFailed, Kube, describe_action
+from dtjob.operator.metrics import OperatorMetrics
+from dtjob.operator.reconciler import reconcile, with_condition
+from dtjob.operator.settings import OperatorSettings
+
+log = logging.getLogger("dtjob.operator")
+RECONCILED = "Reconciled"
+STAGE_REASONS = {"observe": "ObserveFailed", "decide": "ReconcileFailed", "act": "ActionFailed"}
+# Condition and event messages stay short: the event is cut at 1024 characters by kube.py, and
+# `kubectl describe` shows a condition's message on one line.
+MESSAGE_LIMIT = 400
+
+Key = tuple[str, str]
+
+
+@dataclass
+class _Failing:
+    """A job whose passes fail: how often in a row, the last error, and when to retry."""
+
+    attempts: int
+    reason: str
+    detail: str
+    retry_at: float  # monotonic
+    timer: threading.Timer | None = None
+
+
+class JobPassRunner:
+    """Runs observe -> reconcile -> execute passes, one at a time per job."""
+
+    def __init__(
+        self,
+        kube: Kube,
+        metrics: OperatorMetrics,
+        settings: OperatorSettings,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.kube = kube
+        self.metrics = metrics
+        self.settings = settings
+        self._clock = clock
+        self._passes: Coalescer[Key] = Coalescer(self._once)
+        self._lock = threading.Lock()
+        self._failing: dict[Key, _Failing] = {}
+
+    def trigger(self, namespace: str, name: str) -> None:
+        """Run a pass of this job now, or make the pass in flight go once more; while the job
+        backs off after a failure, its scheduled retry answers the trigger."""
+        self._passes.trigger((namespace, name))
+
+    def forget(self, namespace: str, name: str) -> None:
+        """The job is gone: drop its phase from the metrics and any pending retry."""
+        self.metrics.job_phase(namespace, name, None)
+        with self._lock:
+            failing = self._failing.pop((namespace, name), None)
+        if failing is not None and failing.timer is not None:
+            failing.timer.cancel()
+
+    def failing_attempts(self, namespace: str, name: str) -> int:
+        """Failed passes in a row of this job (0: its last pass succeeded)."""
+        with self._lock:
+            failing = self._failing.get((namespace, name))
+            return failing.attempts if failing else 0
+
+    # one pass ----------------------------------------------------------------------------
+    def _once(self, key: Key) -> None:
+        namespace, name = key
+        with self._lock:
+            failing = self._failing.get(key)
+        # 10 ms of slack: the retry timer may wake a little before its deadline.
+        if failing is not None and self._clock() < failing.retry_at - 0.01:
+            return
+        started = time.perf_counter()
+        stage, job = "observe", None
+        try:
+            job = self.kube.get_job(namespace, name)
+            if job is None:
+                self.forget(namespace, name)
+                return
+            observed = self.kube.observe(job)
+            stage = "decide"
+            actions = reconcile(observed, self.settings.reconciler)
+            stage = "act"
+            self.kube.execute(job, actions)
+        except Exception as error:
+            if _job_gone(error):
+                self.forget(namespace, name)
+                return
+            self._failed(key, job is not None, stage, error)
+            return
+        finally:
+            self.metrics.reconcile_seconds.observe(time.perf_counter() - started)
+        if failing is not None:
+            self._recovered(key, failing)
+        phase = (job.get("status") or {}).get("phase")
+        for action in actions:
+            if isinstance(action, PatchStatus) and "phase" in action.status:
+                phase = action.status["phase"]
+        self.metrics.job_phase(namespace, name, phase)
+
+    # failure and recovery ----------------------------------------------------------------------
+    def _failed(self, key: Key, job_seen: bool, stage: str, error: Exception) -> None:
+        namespace, name = key
+        reason = STAGE_REASONS[stage]
+        detail = _short(describe_error(error, stage))
+        with self._lock:
+            previous = self._failing.get(key)
+            attempts = previous.attempts + 1 if previous else 1
+            delay = self.settings.retry.delay(attempts)
+            timer = threading.Timer(delay, self.trigger, args=key)
+            timer.daemon = True
+            self._failing[key] = _Failing(attempts, reason, detail, self._clock() + delay, timer)
+        if previous is not None and previous.timer is not None:
+            previous.timer.cancel()
+        timer.start()
+        self.metrics.reconcile_errors.labels(stage=stage).inc()
+        message = f"{detail} (attempt {attempts}; retrying in {delay:g}s)"
+        log.warning("%s/%s: %s: %s", namespace, name, reason, message)
+        if not job_seen:
+            return  # the job itself could not be read: nothing to write on
+        new = previous is None or (previous.reason, previous.detail) != (reason, detail)
+        self._report(key, False, reason, message, EmitEvent("Warning", reason, detail) if new else None)
+
+    def _recovered(self, key: Key, failing: _Failing) -> None:
+        with self._lock:
+            if self._failing.get(key) is failing:
+                del self._failing[key]
+        if failing.timer is not None:
+            failing.timer.cancel()
+        message = f"recovered after {failing.attempts} failed attempts; the last: {failing.detail}"
+        log.info("%s/%s: %s", *key, message)
+        self._report(
+            key, True, RECONCILED, _short(message), EmitEvent("Normal", "Recovered", _short(message))
+        )
+
+    def _report(self, key: Key, ok: bool, reason: str, message: str, event: EmitEvent | None) -> None:
+        """Write the Reconciled condition (on the job as it is now: the failed pass may have
+        patched its status already) and post the event. Failing here is only a log line: the
+        job cannot be written to, which the next attempt reports again."""
+        namespace, name = key
+        try:
+            job = self.kube.get_job(namespace, name)
+            if job is None:
+                return
+            conditions = (job.get("status") or {}).get("conditions") or []
+            updated = with_condition(conditions, RECONCILED, ok, reason, message, datetime.now(UTC))
+            actions: list[Any] = [] if event is None else [event]
+            self.kube.execute(job, [*actions, PatchStatus({"conditions": updated})])
+        except Exception as error:
+            log.warning("%s/%s: could not report %s on the job: %s", namespace, name, reason, error)
+
+
+def describe_error(error: Exception, stage: str) -> str:
+    """One line saying what failed and why."""
+    if isinstance(error, ActionFailed):
+        return f"{describe_action(error.action)}: {_cause(error.error)}"
+    doing = {"observe": "observing the job", "decide": "deciding what to do"}.get(stage, stage)
+    return f"{doing}: {_cause(error)}"
+
+
+def _cause(error: Exception) -> str:
+    if isinstance(error, ApiException):
+        return f"{error.status} {error.reason}: {_api_message(error)}"
+    if isinstance(error, ValidationError):
+        first = error.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        more = f" (and {error.error_count() - 1} more)" if error.error_count() > 1 else ""
+        value = (
+            f" (got {first['input']!r})" if "input" in first and not isinstance(first["input"], dict) else ""
+        )
+        return f"the kubernetes client refused {error.title} {where}: {first['msg']}{value}{more}"
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def _api_message(error: ApiException) -> str:
+    try:
+        return str(json.loads(error.body or "{}").get("message", error.body))
+    except ValueError:
+        return str(error.body)
+
+
+def _job_gone(error: Exception) -> bool:
+    """The job was deleted during the pass: its status is no longer there to write."""
+    return (
+        isinstance(error, ActionFailed)
+        and isinstance(error.action, PatchStatus)
+        and isinstance(error.error, ApiException)
+        and error.error.status == 404
+    )
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= MESSAGE_LIMIT else text[: MESSAGE_LIMIT - 3] + "..."

@@ -1,0 +1,142 @@
+"""The operator's settings: frozen dataclasses, built once at start and passed down.
+
+`dtjob operator` builds one `OperatorSettings` from its flags and environment (the helm chart
+turns its values into both; see `dtjob.operator.main.build_settings`) and hands each part to what
+uses it: `reconciler` goes into every call of the pure reconciler beside the observation,
+`observer` to the Kubernetes client, `retry` to the pass runner, the rest to kopf. Nothing reads
+a setting from a module constant or a process global, so a test builds the settings it needs.
+
+Each field is documented in the docstring under it, as kopf documents its `OperatorSettings`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dtjob.operator.worker_defaults import WorkerDefaults
+
+
+def _check_positive(settings: object, *names: str) -> None:
+    for name in names:
+        value = getattr(settings, name)
+        if not value > 0:
+            raise ValueError(f"{type(settings).__name__}.{name} must be positive, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ReconcilerSettings:
+    """What the pure reconciler reads besides the observation."""
+
+    grow_hold_seconds: float = 5.0
+    """A gang must have run this long at its size before it grows, so a capacity estimate the
+    scheduler disagrees with cannot make the job flap faster than this."""
+
+    unplanned_stop_grace_seconds: int = 5
+    """SIGTERM-to-SIGKILL grace of the survivors after a failure. They cannot checkpoint (a sharded
+    checkpoint needs every rank, and a peer is gone), and a trainer blocked in a collective with a
+    dead peer would use up the pod's whole grace period."""
+
+    metrics_grace_seconds: float = 30.0
+    """How long a running generation's rank 0 may serve no dtjob metrics before the operator
+    concludes that the trainer publishes none (condition MetricsAvailable=False) and stops
+    waiting for a checkpoint before planned rescales. 30 s covers the dtjob trainer's start
+    (importing torch takes up to ~15 s on a loaded 2-core node)."""
+
+    workers: WorkerDefaults = field(default_factory=WorkerDefaults)
+    """Site-wide defaults of the worker pods (the chart's `workers.*` values); a job's template
+    wins over each of them."""
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "grow_hold_seconds", "metrics_grace_seconds")
+        if self.unplanned_stop_grace_seconds < 0:
+            raise ValueError(
+                "ReconcilerSettings.unplanned_stop_grace_seconds must be >= 0, "
+                f"got {self.unplanned_stop_grace_seconds!r}"
+            )
+
+
+@dataclass(frozen=True)
+class ObserverSettings:
+    """How the Kubernetes client observes a job's world."""
+
+    cluster_view_ttl_seconds: float = 2.0
+    """Nodes and the pods bound to them are listed once for every job reconciled within this
+    long: they change slowly next to a reconcile, and 50 jobs on a 5 s timer would otherwise list
+    every pod of the cluster 10 times a second."""
+
+    metrics_timeout_seconds: float = 1.0
+    """Timeout of one scrape of rank 0's metrics endpoint: a reconcile waits for it."""
+
+    log_tail_lines: int = 20
+    """Lines of a finished worker's log read for its closing line or its reason to exit."""
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "cluster_view_ttl_seconds", "metrics_timeout_seconds", "log_tail_lines")
+
+
+@dataclass(frozen=True)
+class RetrySettings:
+    """Backoff of a job whose pass failed (an exception while observing, deciding or acting)."""
+
+    backoff_seconds: float = 1.0
+    """Delay before the first retry; each further failure in a row doubles it."""
+
+    backoff_max_seconds: float = 30.0
+    """Longest delay between two retries of a failing job."""
+
+    def delay(self, failures: int) -> float:
+        """Seconds before the retry after `failures` failed passes in a row (1, 2, ...)."""
+        return float(min(self.backoff_max_seconds, self.backoff_seconds * 2 ** max(0, failures - 1)))
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "backoff_seconds", "backoff_max_seconds")
+        if self.backoff_max_seconds < self.backoff_seconds:
+            raise ValueError(
+                f"RetrySettings.backoff_max_seconds ({self.backoff_max_seconds}) must be >= "
+                f"backoff_seconds ({self.backoff_seconds})"
+            )
+
+
+@dataclass(frozen=True)
+class OperatorSettings:
+    """Everything `dtjob operator` is configured with."""
+
+    namespaces: tuple[str, ...] = ()
+    """Namespaces served; empty: every namespace."""
+
+    peering: str | None = "dtjob"
+    """kopf peering name shared by replicas (one is active); None: standalone, always active."""
+
+    priority: int = 0
+    """Peering priority: of operators sharing a peering object, the highest works."""
+
+    liveness: str | None = "http://0.0.0.0:8080/healthz"
+    """Liveness endpoint URL served by kopf; None: none."""
+
+    metrics_port: int = 9401
+    """Port of the operator's own /metrics; 0: none. The trainer's is 9400 inside each pod."""
+
+    interval_seconds: float = 5.0
+    """Every job is reconciled at least this often even when nothing happens, to read the
+    trainer's step and notice deadlines, TTLs and lost nodes (node events are not watched: a node
+    turns NotReady only after its lease expires, tens of seconds, so 5 s more do not matter)."""
+
+    max_workers: int = 16
+    """Threads running passes: one pass per job at a time, this many jobs at once."""
+
+    verbose: bool = False
+    """Debug logging (every API call and kopf handler)."""
+
+    reconciler: ReconcilerSettings = field(default_factory=ReconcilerSettings)
+    """Given to the pure reconciler with each observation."""
+
+    observer: ObserverSettings = field(default_factory=ObserverSettings)
+    """Given to the Kubernetes client."""
+
+    retry: RetrySettings = field(default_factory=RetrySettings)
+    """Backoff of failing passes."""
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "interval_seconds", "max_workers")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"OperatorSettings.metrics_port must be in 0..65535, got {self.metrics_port}")
