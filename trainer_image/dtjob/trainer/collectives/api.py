@@ -108,7 +108,11 @@ class _Call:
 
     @property
     def backend(self) -> str:
-        return native.backend_name(self.runner.group, self.device)
+        key = f"backend:{self.device.type}"
+        name = self.runner.cache.get(key)
+        if not isinstance(name, str):
+            name = self.runner.cache[key] = native.backend_name(self.runner.group, self.device)
+        return name
 
     @property
     def dtype_name(self) -> str:
@@ -144,7 +148,16 @@ def _reduction(
 
 
 def _offered(call: _Call, for_auto: bool) -> tuple[str, ...]:
-    """The algorithms that can run this call."""
+    """The algorithms that can run this call (remembered per kind of call: it runs on every one)."""
+    local = hierarchical.local_world_size(call.local_world_size) if call.op == "allreduce" else 0
+    key = (call.op, call.dtype, call.kind, call.device.type, local, call.local_world_size, for_auto)
+    known = call.runner.offered.get(key)
+    if known is None:
+        known = call.runner.offered[key] = _find_offered(call, for_auto)
+    return known
+
+
+def _find_offered(call: _Call, for_auto: bool) -> tuple[str, ...]:
     found = []
     for algorithm in selection.ALGORITHMS[call.op]:
         if algorithm == NATIVE:

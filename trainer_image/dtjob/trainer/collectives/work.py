@@ -247,6 +247,7 @@ class GroupRunner:
         self.trials: dict[tuple[str, str, str, int], Trials] = {}  # auto's timed candidates per kind
         self.scratch_pool: dict[tuple[int, torch.dtype, torch.device, int], torch.Tensor] = {}
         self.last_algorithm: dict[str, str] = {}  # op -> algorithm of its latest call (for inspection)
+        self.offered: dict[tuple[object, ...], tuple[str, ...]] = {}  # api._offered, per kind of call
         self._seq = 0
         self._pending = 0
         self._mutex = threading.Lock()
