@@ -6,8 +6,8 @@ Exchanges are medians over chains of dependent steps (see _step_seconds); alpha 
 beta the slope through the two larger ones, the overhead what each of the n-2 further peers of an
 all-peers step adds. Reductions keep the fastest of a few repetitions. The ranks then average their
 numbers with the ring all-reduce, so every rank holds the same bits and picks the same algorithms.
-It costs ~250 ms here with 4 ranks on 2 cores (~600 ms with 8), once, inside the collective that
-triggered it, in the group's call order, so it is itself a well-ordered collective.
+It costs ~250 ms with 4 ranks sharing 2 cores (~600 ms with 8), once, at the group's first auto
+call, after the calls queued before it, so it is itself a well-ordered collective.
 
 How far to trust it: on a 2-vCPU VM with 4 ranks it does not come out the same twice (alpha
 0.3-1.1 ms, overhead 0.1-0.6 ms over eight calibrations in a row), and at 2-8 MiB direct against
@@ -36,7 +36,7 @@ from dtjob.trainer.collectives.work import GroupRunner
 
 # Probes, as (bytes, with every other rank at once): alpha from 8-byte exchanges, beta through the
 # 64 KiB and 1 MiB ones, the overhead from 8 bytes with everybody. Each is timed over chains of 6
-# dependent steps, median of 7 samples: 4 x 8 x 6 steps with the warm-up, ~200-300 ms on 4 ranks here.
+# dependent steps, median of 7 samples: 4 x 8 x 6 steps with the warm-up.
 _MID, _BIG = 64 << 10, 1 << 20
 _STEPS = ((8, False), (8, True), (_MID, False), (_BIG, False))
 _CHAIN = 6

@@ -7,7 +7,7 @@ to every other rank. All-reduce is the two in a row. Per rank that is the ring's
 - (n-1)/n of the vector out and in per phase - and the same 2(n-1) messages, but no message
 waits for another: the ring forwards along n-1 dependent steps per phase, here each phase is one.
 
-Why it pays here: on a host where ranks outnumber cores, a ring step stalls whenever its
+Why it pays: on a host where ranks outnumber cores, a ring step stalls whenever its
 predecessor is not scheduled, and the stalls add up along the chain; direct was 1.1-1.5x as fast
 as the ring at 1-4 MiB with 4 and 8 ranks on 2 cores, on par from 16 MiB (bench/README.md). Each
 phase's n-1 messages still cost their per-message overhead, which the cost model (selection.py)
