@@ -3,37 +3,21 @@
     python bench/collectives.py                     # world sizes 2, 4, 8; 1 KiB .. 64 MiB
     python bench/collectives.py --quick             # world size 4 only, fewer repetitions
     python bench/collectives.py --impls native direct --ops allreduce   # just these
+    python bench/collectives.py --world-sizes 4 --min-bytes 4096 --repeats 3   # auto's picks
 
 Prints an nccl-tests style table per op and world size (bytes, count, dtype, time, algbw, busbw),
-writes bench/results/collectives.json and bench/results/collectives.png (busbw against size).
-busbw follows nccl-tests: all-reduce algbw * 2(n-1)/n, reduce-scatter and all-gather
-algbw * (n-1)/n, with bytes = the whole vector (n x the per-rank slice for those two).
+then auto's picks (the algorithm auto settled on, native among its candidates, per op and size,
+in each repeat), and writes bench/results/collectives.json and bench/results/collectives.png
+(busbw against size). busbw follows nccl-tests: all-reduce algbw * 2(n-1)/n, reduce-scatter and
+all-gather algbw * (n-1)/n, broadcast algbw, with bytes = the whole vector (n x the per-rank
+slice for reduce-scatter and all-gather).
 
 Every number is a median: each (op, size) is timed `--runs` times, the implementations
-interleaved within each run so that the machine's load drifts over all of them alike. auto is
-timed after its trials (tuning.py) have settled: its warm-up makes enough calls for them.
-
-Reading small-message numbers on a virtual machine: a rank that waits lets its vCPU halt, and
-waking a halted vCPU can take a host timer tick. On the 2-vCPU VM of bench/results, world 2, 4 KiB
-all-reduce, 300 calls of dtjob's ring took p50 0.69 ms, p75 4.0 ms, p95 7.7 ms, in 4 ms steps.
-With two nice-19 busy loops keeping both vCPUs awake, the same calls took p50 0.54 ms and p95
-0.86 ms. Torch's own calls have a tail with another cause: p95 1.5-3.9 ms without the busy loops
-and 3.6-7.4 ms with them. So world-2 results below 1 MiB mostly time the hypervisor. With 4 and
-8 ranks on 2 cores the vCPUs rarely idle, and there the cost is CPU: 70-76% of it in the kernel's
-loopback TCP copies.
-
-Where a large all-reduce's CPU goes (perf record -a, 6 s of back-to-back 16 MiB calls). 4 ranks:
-dtjob's ring and torch's gloo ring take the same wall time; the kernel's copies are 37% and 33% of
-the samples, the reduction 12% and 10%, Python and pybind 6% and 2%. The ring's receive copies cost
-1.28x native's per byte (7.1 against 9.1 GB/s): gloo moves 1 MiB segments, two in flight, the ring
-whole 4 MiB chunks, but cutting those into 1-2 MiB segments left the copies as dear and added
-messages. 8 ranks: the ring takes 1.15x native's time (ABBA-paired); per call Python and pybind
-cost 15 ms more CPU (over all ranks), receive copies 6 ms more. A rank's thread spends most of
-its time inside send (gloo writes to the socket in the caller) and the reduction, not in Python.
-
-Ratios to native move with the machine: the same all-reduce code, 4 ranks, 16 MiB, gave auto/native
-0.952 on one VM and 1.085 on the next (medians of 10 runs; native took 42-58 and 38-53 ms per
-call), see bench/results/allreduce_world4_repeats.txt. So the report records torch, CPU and kernel.
+interleaved within each run in a balanced order so that the machine's load drifts over all of
+them alike. auto is timed after its trials (tuning.py) have settled: its warm-up makes enough
+calls for them. `--repeats` runs everything again in fresh processes (a new calibration and new
+trials each time) and reports the medians over the repeats. How to read the numbers on a shared
+VM, and the measurements behind the collectives' design: bench/README.md.
 """
 
 from __future__ import annotations
@@ -54,7 +38,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "trainer_image"))
 
-OPS = ("allreduce", "reduce_scatter", "allgather")
+OPS = ("allreduce", "reduce_scatter", "allgather", "broadcast")
 IMPLS = ("native", "ring", "hd", "direct", "auto")
 RATIO_SIZES = (4 << 10, 1 << 20, 16 << 20, 64 << 20)
 
@@ -85,8 +69,7 @@ def balanced_orders(items: tuple[str, ...]) -> list[list[str]]:
     """Orders in which to time `items`, one per run, balanced for what ran just before (a Williams
     design): over one cycle of these orders every item comes first equally often, and right after
     each other item equally often - twice per cycle of 2n orders for an odd count n, once per n
-    for an even one. (The seeded shuffles used before, the same 15 in every invocation, put the
-    ring right after hd 6 times of 15 and auto right after direct 5 times but after hd once.)"""
+    for an even one."""
     n = len(items)
     first, low, high = [0], 1, n - 1
     while len(first) < n:  # 0, 1, n-1, 2, n-2, ...: every step between neighbours differs
@@ -102,7 +85,14 @@ def balanced_orders(items: tuple[str, ...]) -> list[list[str]]:
 
 
 def _bus_factor(op: str, n: int) -> float:
+    if op == "broadcast":
+        return 1.0
     return 2 * (n - 1) / n if op == "allreduce" else (n - 1) / n
+
+
+def _runs_op(impl: str, op: str) -> bool:
+    """Whether `impl` has an algorithm for `op` (direct has no broadcast)."""
+    return not (impl == "direct" and op == "broadcast")
 
 
 def _iterations(nbytes: int) -> int:
@@ -136,14 +126,18 @@ def _call(impl: str, op: str, buf: Any, big: Any, small: Any) -> None:
             dist.all_reduce(buf)
         elif op == "reduce_scatter":
             dist.reduce_scatter_tensor(small, big)
-        else:
+        elif op == "allgather":
             dist.all_gather_into_tensor(big, small)
+        else:
+            dist.broadcast(buf, 0)
     elif op == "allreduce":
         C.all_reduce(buf, algorithm=impl)
     elif op == "reduce_scatter":
         C.reduce_scatter_tensor(small, big, algorithm=impl)
-    else:
+    elif op == "allgather":
         C.all_gather_into_tensor(big, small, algorithm=impl)
+    else:
+        C.broadcast(buf, 0, algorithm=impl)
 
 
 def _rank_main(rank: int, n: int, store: str, config: dict[str, Any], out: Any) -> None:
@@ -164,36 +158,32 @@ def _rank_main(rank: int, n: int, store: str, config: dict[str, Any], out: Any) 
         for nbytes in config["sizes"]:
             count = nbytes // esize  # elements of the whole vector
             per_rank = count // n
-            total = per_rank * n if op != "allreduce" else count
-            buf = torch.ones(count if op == "allreduce" else 0, dtype=dtype)
-            big = torch.ones(total if op != "allreduce" else 0, dtype=dtype)
-            small = torch.ones(per_rank if op != "allreduce" else 0, dtype=dtype)
+            whole = op in ("allreduce", "broadcast")  # one vector, not n slices
+            total = count if whole else per_rank * n
+            buf = torch.ones(count if whole else 0, dtype=dtype)
+            big = torch.ones(0 if whole else total, dtype=dtype)
+            small = torch.ones(0 if whole else per_rank, dtype=dtype)
+            impls = [impl for impl in config["impls"] if _runs_op(impl, op)]
 
             iters = _iterations(nbytes)
             chosen = None
-            times: dict[str, list[float]] = {impl: [] for impl in config["impls"]}
-            cpu_times: dict[str, list[float]] = {impl: [] for impl in config["impls"]}
-            for impl in config["impls"]:
+            times: dict[str, list[float]] = {impl: [] for impl in impls}
+            cpu_times: dict[str, list[float]] = {impl: [] for impl in impls}
+            for impl in impls:
                 # One warm-up call each; auto calls on until it has calibrated and its trials
                 # of every candidate have agreed (tuning.py) - the same call on every rank - so
                 # the table shows what it settled on, as nccl-tests' warm-up iterations keep
                 # start-up out of its numbers.
                 _call(impl, op, buf, big, small)
-                vector_bytes = (count if op == "allreduce" else total) * esize
+                vector_bytes = total * esize
                 while impl == "auto" and not _auto_settled(op, vector_bytes):
                     _call(impl, op, buf, big, small)
             for run in range(config["runs"]):
                 # A different order every run, the same on every rank (balanced_orders): a
-                # sample's time depends on what ran just before it. Rotating one fixed order kept
-                # every implementation behind the same neighbour - the ring always behind native -
-                # and that neighbour's leftovers stayed in its numbers: the same ring, 4 ranks,
-                # 16 MiB, 80 rounds, measured 0.977x native timed right after native and 1.001x
-                # timed right after itself. One untimed call after the barrier takes most of what
-                # is left of them, not all: in 20 runs of 15 samples (4 ranks, all-reduce), native
-                # took 1.05x the run's median ring time at 1 MiB right after direct (20 samples)
-                # and 1.16x first after the barrier (60); at 16 MiB 0.99x right after the ring
-                # (100) and 1.01x right after direct (20).
+                # sample's time depends on what ran just before it (bench/README.md).
                 for impl in orders[run % len(orders)]:
+                    if impl not in times:
+                        continue
                     dist.barrier()
                     _call(impl, op, buf, big, small)
                     start, cpu_start = time.perf_counter(), time.process_time()
@@ -307,6 +297,59 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return summary
 
 
+def picks(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per op, world size and size: what auto kept in each repeat, and auto/native busbw (the
+    paired median of each repeat; the median and range over the repeats)."""
+    table = []
+    repeats = sorted({r.get("repeat", 0) for r in rows})
+    per_repeat = {k: summarize([r for r in rows if r.get("repeat", 0) == k]) for k in repeats}
+    keys = sorted({(r["op"], r["world_size"], r["bytes"]) for r in rows if r["impl"] == "auto"})
+    for op, n, size in sorted(keys, key=lambda k: (OPS.index(k[0]), k[1], k[2])):
+        here = (op, n, size, "auto")
+        kept = [
+            r["auto_chose"]
+            for k in repeats
+            for r in rows
+            if (r["op"], r["world_size"], r["bytes"], r["impl"]) == here and r.get("repeat", 0) == k
+        ]
+        ratios = [
+            per_repeat[k][f"{op}/world{n}"]["auto_over_native_busbw"].get(str(size))
+            for k in repeats
+            if f"{op}/world{n}" in per_repeat[k]
+        ]
+        found = [r for r in ratios if r is not None]
+        table.append(
+            {
+                "op": op,
+                "world_size": n,
+                "bytes": size,
+                "picks": kept,
+                "auto_over_native": round(statistics.median(found), 3) if found else None,
+                "range": [min(found), max(found)] if found else None,
+            }
+        )
+    return table
+
+
+def print_picks(table: list[dict[str, Any]]) -> None:
+    print("\n# auto's picks (native among its candidates) and auto/native busbw, over the repeats")
+    print("| op | ranks | bytes | picks | auto/native median | range |")
+    print("|---|---|---|---|---|---|")
+    for row in table:
+        spread = "" if row["range"] is None else f"{row['range'][0]:.2f}-{row['range'][1]:.2f}"
+        ratio = "" if row["auto_over_native"] is None else f"{row['auto_over_native']:.2f}"
+        picked = ", ".join(str(p) for p in row["picks"])
+        size = _human(row["bytes"])
+        print(f"| {row['op']} | {row['world_size']} | {size} | {picked} | {ratio} | {spread} |")
+
+
+def _human(nbytes: int) -> str:
+    for unit, shift in (("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift and nbytes % (1 << shift) == 0:
+            return f"{nbytes >> shift} {unit}"
+    return f"{nbytes} B"
+
+
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
     import matplotlib
 
@@ -357,6 +400,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS), help="what to time")
     parser.add_argument("--quick", action="store_true", help="world size 4 only, 3 runs")
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="run everything this many times in fresh processes"
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "collectives.json")
     args = parser.parse_args(argv)
     if args.quick:
@@ -378,13 +424,21 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# {json.dumps(machine)}")
     started = time.time()
     rows: list[dict[str, Any]] = []
-    for n in args.world_sizes:
-        rows += run_world(n, config)
-    print_table(rows)
-    summary = summarize(rows)
-    print("\n# auto / native busbw, and where the ring overtakes hd")
+    for repeat in range(args.repeats):
+        fresh: list[dict[str, Any]] = []
+        for n in args.world_sizes:
+            fresh += run_world(n, config)
+        for row in fresh:
+            row["repeat"] = repeat
+        print(f"\n## repeat {repeat + 1} of {args.repeats}")
+        print_table(fresh)
+        rows += fresh
+    summary = summarize([r for r in rows if r["repeat"] == 0])
+    print("\n# auto / native busbw, and where the ring overtakes hd (first repeat)")
     for key, value in summary.items():
         print(f"{key}: {json.dumps(value)}")
+    auto_picks = picks(rows)
+    print_picks(auto_picks)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     report = {
         "config": {**config, "world_sizes": args.world_sizes},
@@ -393,10 +447,11 @@ def main(argv: list[str] | None = None) -> int:
         # What produced the numbers: native's own speed changes with torch's gloo and the machine.
         "machine": machine,
         "summary": summary,
+        "picks": auto_picks,
         "rows": rows,
     }
     args.out.write_text(json.dumps(report, indent=1) + "\n")
-    plot(rows, args.out.with_suffix(".png"))
+    plot([r for r in rows if r["repeat"] == 0], args.out.with_suffix(".png"))
     print(f"\nwrote {args.out} and {args.out.with_suffix('.png')} in {report['seconds']} s")
     return 0
 

@@ -2,8 +2,9 @@
 
 The processes come from a forkserver that has already imported torch and the collectives, so a
 world costs a fork per rank instead of a fresh interpreter (the import alone takes seconds on a
-busy 2-core machine). Each rank runs `collectives_scenarios.<name>(rank, world_size, arg)` and
-sends back its return value, or its traceback; `run_world` returns the values in rank order.
+busy 2-core machine). Each rank runs `collectives_scenarios.<name>(rank, world_size, arg)` (or,
+for a name "module:function", `collectives_<module>.<function>`) and sends back its return value,
+or its traceback; `run_world` returns the values in rank order.
 """
 
 from __future__ import annotations
@@ -17,7 +18,14 @@ import time
 import traceback
 from typing import Any
 
-_PRELOAD = ["torch", "torch.distributed", "dtjob.trainer.collectives", "tests.trainer.collectives_scenarios"]
+_SCENARIO_MODULES = ("scenarios", "dropin", "hier")
+_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch.nn.parallel",
+    "dtjob.trainer.collectives",
+    *(f"tests.trainer.collectives_{module}" for module in _SCENARIO_MODULES),
+]
 _context = mp.get_context("forkserver")
 _context.set_forkserver_preload(_PRELOAD)
 
@@ -25,10 +33,13 @@ _context.set_forkserver_preload(_PRELOAD)
 def _entry(
     rank: int, world_size: int, store: str, name: str, arg: Any, pg_timeout_s: float, out: Any
 ) -> None:
+    import importlib
+
     import torch
     import torch.distributed as dist
 
-    from tests.trainer import collectives_scenarios
+    module, _, function = name.rpartition(":")
+    scenarios = importlib.import_module(f"tests.trainer.collectives_{module or 'scenarios'}")
 
     torch.set_num_threads(1)  # N ranks share 2 cores; intra-op threads would only thrash
     try:
@@ -39,7 +50,7 @@ def _entry(
             world_size=world_size,
             timeout=datetime.timedelta(seconds=pg_timeout_s),
         )
-        value = getattr(collectives_scenarios, name)(rank, world_size, arg)
+        value = getattr(scenarios, function)(rank, world_size, arg)
         out.put((rank, "ok", value))
     except BaseException:
         out.put((rank, "error", traceback.format_exc()))

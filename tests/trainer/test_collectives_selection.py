@@ -66,10 +66,13 @@ def test_broadcast_uses_the_tree_for_small_and_scatter_allgather_for_large() -> 
 def test_every_offered_algorithm_has_an_implementation_and_a_cost() -> None:
     tables = {"allreduce": api._ALL_REDUCE, "reduce_scatter": api._REDUCE_SCATTER,
               "allgather": api._ALL_GATHER, "broadcast": api._BROADCAST}  # fmt: skip
-    assert {op: set(t) for op, t in tables.items()} == {op: set(a) for op, a in ALGORITHMS.items()}
+    own = {op: set(a) - {"native", "hier"} for op, a in ALGORITHMS.items()}
+    assert {op: set(t) for op, t in tables.items()} == own
+    assert all("native" in algos for algos in ALGORITHMS.values()), "native is offered for every op"
+    assert [op for op, algos in ALGORITHMS.items() if "hier" in algos] == ["allreduce"]
     for op, algos in ALGORITHMS.items():
         for algo in algos:
-            assert predict(op, algo, 1 * MiB, 4, "float32", MODEL) > 0
+            assert predict(op, algo, 1 * MiB, 4, "float32", MODEL, pods=(2, 2)) > 0
 
 
 def test_predictions_are_zero_for_one_rank_or_no_bytes_and_grow_with_size() -> None:
@@ -77,9 +80,36 @@ def test_predictions_are_zero_for_one_rank_or_no_bytes_and_grow_with_size() -> N
         for algo in algos:
             assert predict(op, algo, 1 * MiB, 1, "float32", MODEL) == 0.0
             assert predict(op, algo, 0, 4, "float32", MODEL) == 0.0
-            assert predict(op, algo, 1 * MiB, 5, "float32", MODEL) < predict(
-                op, algo, 8 * MiB, 5, "float32", MODEL
+            assert predict(op, algo, 1 * MiB, 6, "float32", MODEL, pods=(3, 2)) < predict(
+                op, algo, 8 * MiB, 6, "float32", MODEL, pods=(3, 2)
             )
+
+
+def test_hier_moves_the_rings_bytes_in_fewer_steps_and_needs_the_pods() -> None:
+    # 2 pods x 2: 2 steps inside, 2 across against the ring's 6; the bytes are the ring's.
+    bytes_only = CostModel(alpha=0.0, beta=MODEL.beta, gamma={"float32": 0.0})
+    for pods in ((2, 2), (2, 3), (3, 2)):
+        n = pods[0] * pods[1]
+        ring = predict("allreduce", "ring", 64 * MiB, n, "float32", bytes_only)
+        hier = predict("allreduce", "hier", 64 * MiB, n, "float32", bytes_only, pods=pods)
+        assert hier == pytest.approx(ring)
+    latency_only = CostModel(alpha=1.0, beta=0.0, gamma={"float32": 0.0})
+    assert predict("allreduce", "hier", 4 * KiB, 4, "float32", latency_only, pods=(2, 2)) == 4
+    assert predict("allreduce", "ring", 4 * KiB, 4, "float32", latency_only) == 6
+    with pytest.raises(ValueError, match="pods"):
+        predict("allreduce", "hier", 4 * KiB, 4, "float32", MODEL)
+    assert choose("allreduce", 4 * KiB, 4, "float32", MODEL) != "hier"  # not offered without pods
+
+
+def test_native_is_priced_as_torchs_gloo_runs_it() -> None:
+    for size in (4 * KiB, 64 * MiB):
+        ring_all_reduce = predict("allreduce", "ring", size, 4, "float32", MODEL)
+        assert predict("allreduce", "native", size, 4, "float32", MODEL) == ring_all_reduce
+        # gloo's reduce-scatter is a whole all-reduce and a copy
+        assert predict("reduce_scatter", "native", size, 4, "float32", MODEL) == ring_all_reduce
+    # Ties go to dtjob's own: native comes last in ALGORITHMS.
+    assert choose("allreduce", 64 * MiB, 4, "float32", COSTLY_MESSAGES) != "native"
+    assert choose("allgather", 64 * MiB, 4, "float32", MODEL, available=("native", "hd")) in ("native", "hd")
 
 
 def test_slower_reduction_dtype_costs_more() -> None:
@@ -138,10 +168,53 @@ def test_fold_maps_every_rank_to_one_power_of_two_block(n: int) -> None:
     assert vb[0] == 0 and vb[-1] == bounds[-1] and vb == sorted(vb)
 
 
-def test_integer_average_is_refused_like_torch() -> None:
-    with pytest.raises(TypeError, match="AVG"):
-        Reduction(dist.ReduceOp.AVG, torch.int64)
-    avg = Reduction(dist.ReduceOp.AVG, torch.float32)
-    chunk = torch.tensor([3.0, 6.0])
+def test_integer_average_truncates_toward_zero_as_nccl_does() -> None:
+    avg = Reduction(dist.ReduceOp.AVG, torch.int64)
+    chunk = torch.tensor([7, -7, 6, -1])
     avg.finish(chunk, 3)
+    assert chunk.tolist() == [2, -2, 2, 0]
+    floats = Reduction(dist.ReduceOp.AVG, torch.float32)
+    chunk = torch.tensor([3.0, 6.0])
+    floats.finish(chunk, 3)
     assert chunk.tolist() == [1.0, 2.0]
+    unfinished = floats.without_finish()
+    unfinished.finish(chunk, 3)
+    assert chunk.tolist() == [1.0, 2.0] and floats.is_average and not unfinished.is_average
+
+
+@pytest.mark.parametrize(
+    ("op", "dtype", "error", "words"),
+    [
+        (dist.ReduceOp.AVG, torch.bool, TypeError, "boolean"),
+        (dist.ReduceOp.MAX, torch.complex64, ValueError, "complex"),
+        (dist.ReduceOp.BAND, torch.float32, ValueError, "non-integral"),
+        (dist.ReduceOp.SUM, torch.uint32, TypeError, "uint32"),
+        (dist.ReduceOp.SUM, torch.float8_e4m3fn, TypeError, "float8"),
+    ],
+)
+def test_reductions_nobody_defines_raise_torchs_classes_and_runtime_error(
+    op: dist.ReduceOp.RedOpType, dtype: torch.dtype, error: type[Exception], words: str
+) -> None:
+    with pytest.raises(error, match=words) as raised:
+        Reduction(op, dtype)
+    assert isinstance(raised.value, RuntimeError), "gloo raises RuntimeError for these"
+
+
+def test_bool_and_complex_reduce_like_torchs_backends() -> None:
+    a, b = torch.tensor([True, True, False, False]), torch.tensor([True, False, True, False])
+    for op, want in (
+        (dist.ReduceOp.SUM, [True, True, True, False]),
+        (dist.ReduceOp.PRODUCT, [True, False, False, False]),
+        (dist.ReduceOp.MIN, [True, False, False, False]),
+        (dist.ReduceOp.BXOR, [False, True, True, False]),
+    ):
+        acc = a.clone()
+        Reduction(op, torch.bool).combine(acc, b)
+        assert acc.tolist() == want, op
+    total = Reduction(dist.ReduceOp.AVG, torch.complex64)
+    x = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    view = total.view(x)
+    assert view.dtype == torch.float32 and view.numel() == 4
+    total.combine(view, view.clone())
+    total.finish(view, 2)
+    assert x.tolist() == [1 + 2j, 3 - 4j]

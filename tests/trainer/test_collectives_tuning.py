@@ -35,11 +35,31 @@ KiB, MiB = 1 << 10, 1 << 20
 def test_candidates_start_with_the_models_choice_and_keep_only_close_ones(op: str, nbytes: int) -> None:
     found = candidates(op, nbytes, 4, "float32", MODEL)
     assert found[0] == choose(op, nbytes, 4, "float32", MODEL)
+    assert "hier" not in found, "hier needs the group's pods"
     best = predict(op, found[0], nbytes, 4, "float32", MODEL)
-    for algorithm in ALGORITHMS[op]:
+    for algorithm in (a for a in ALGORITHMS[op] if a not in ("hier", "native")):
         close = predict(op, algorithm, nbytes, 4, "float32", MODEL) <= TRIAL_FACTOR * best
         light = predict(op, algorithm, nbytes, 4, "float32", BYTES_ONLY) <= BANDWIDTH_FACTOR * best
         assert (algorithm in found) == (close and light), (algorithm, found)
+
+
+@pytest.mark.parametrize("op", sorted(ALGORITHMS))
+@pytest.mark.parametrize("nbytes", [4 * KiB, 64 * MiB])
+@pytest.mark.parametrize("world_size", [2, 4, 8])
+def test_native_is_always_a_candidate_where_it_is_available(op: str, nbytes: int, world_size: int) -> None:
+    # Even where the model prices it far off: it cannot price NCCL's kernels at all.
+    far = replace(MODEL, alpha=1e-9)  # latency almost free: rd and tree look best for small calls
+    for model in (MODEL, far):
+        assert "native" in candidates(op, nbytes, world_size, "float32", model)
+    without = tuple(a for a in ALGORITHMS[op] if a not in ("native", "hier"))
+    assert "native" not in candidates(op, nbytes, world_size, "float32", MODEL, available=without)
+
+
+def test_hier_is_timed_where_the_group_spans_pods() -> None:
+    found = candidates("allreduce", 1 * MiB, 4, "float32", MODEL, pods=(2, 2))
+    assert "hier" in found
+    with_available = candidates("allreduce", 1 * MiB, 4, "float32", MODEL, available=("ring", "native"))
+    assert set(with_available) <= {"ring", "native"}
 
 
 def test_rd_is_not_timed_where_its_bytes_alone_outweigh_the_best() -> None:
@@ -79,6 +99,7 @@ def test_small_kinds_get_more_blocks_than_large_ones() -> None:
 
 def test_sizes_within_one_power_of_two_share_a_kind() -> None:
     assert call_kind("allreduce", 1025, "float32") == call_kind("allreduce", 2047, "float32")
+    assert call_kind("allreduce", 1024, "float32", "cpu") != call_kind("allreduce", 1024, "float32", "cuda")
     assert call_kind("allreduce", 1024, "float32") != call_kind("allreduce", 2048, "float32")
     assert call_kind("allreduce", 1024, "float32") != call_kind("allreduce", 1024, "bfloat16")
     assert call_kind("allreduce", 1024, "float32") != call_kind("allgather", 1024, "float32")
@@ -145,6 +166,20 @@ def test_no_race_with_two_candidates_or_one_block(found: tuple[str, ...], blocks
     assert ran == [a for a in found for _ in range(BLOCK_CALLS)] * blocks
     k = blocks * TIMED_PER_BLOCK
     assert trials.agree([2.0] * k + [1.0] * k + [3.0] * k * (len(found) - 2)) == found[1]
+
+
+def test_times_recorded_later_count_like_those_recorded_at_once() -> None:
+    # A CUDA call's time is a callable, read when the ranks agree; take() counts at the call.
+    trials = Trials(("ring", "native"), blocks=1)
+    pending: list[str] = []
+    while not trials.ready_to_agree():
+        algorithm, timed = trials.take()
+        pending.append(algorithm)
+        if timed:
+            trials.add(algorithm, (lambda v: lambda: v)(3.0 if algorithm == "ring" else 2.0))
+    assert pending == ["ring"] * 5 + ["native"] * 5
+    assert trials.local_seconds() == [3.0] * TIMED_PER_BLOCK + [2.0] * TIMED_PER_BLOCK
+    assert trials.agree(trials.local_seconds()) == "native"
 
 
 def test_ties_go_to_the_models_order() -> None:

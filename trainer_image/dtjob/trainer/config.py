@@ -66,7 +66,7 @@ class TrainerConfig:
     collective: str = _opt(
         "auto",
         "collective algorithm (native = torch's own: gloo, or NCCL on CUDA)",
-        choices=("auto", "ring", "hd", "direct", "native"),  # = parallel.comm.COLLECTIVES (a test checks)
+        choices=("auto", "ring", "hd", "direct", "hier", "native"),  # = parallel.comm.COLLECTIVES (tested)
     )
     device: str = _opt(
         "auto", "where to compute: CUDA if available (auto), cpu, cuda", choices=("auto", "cpu", "cuda")

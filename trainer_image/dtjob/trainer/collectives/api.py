@@ -1,28 +1,44 @@
 """The four collectives, with torch.distributed's signatures plus `algorithm=`.
 
-Each call validates its arguments in the caller (clear errors, before any message is sent), then
-hands a job to the group's runner (work.py), which runs it in call order, inline or on the group's
-worker thread for `async_op=True`.
+Each call validates its arguments in the caller (torch's exception classes, before any message is
+sent), decides which algorithm runs it (the keyword, DTJOB_COLLECTIVE_ALGO, or auto: cost model
+and trials), then either issues the backend's own collective at once ("native", native.py) or
+hands a job to the group's runner (work.py), which runs dtjob's algorithms in call order.
+Auto decides in the caller's thread: every rank makes the same calls in the same order, so the
+ranks decide alike; the collective steps auto needs itself (calibration, the trials' agreement)
+run after the group's queued calls, at the same call on every rank.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from dtjob.trainer.collectives import broadcast as broadcast_algos
-from dtjob.trainer.collectives import direct, halving_doubling, ring, selection, tuning
-from dtjob.trainer.collectives.calibration import cost_model
+from dtjob.trainer.collectives import (
+    direct,
+    halving_doubling,
+    hierarchical,
+    native,
+    ring,
+    selection,
+    tuning,
+)
+from dtjob.trainer.collectives.calibration import cost_model, same_everywhere
 from dtjob.trainer.collectives.comm import Comm
-from dtjob.trainer.collectives.reduce_ops import SUPPORTED_DTYPES, ReduceOpLike, Reduction
-from dtjob.trainer.collectives.work import CollectiveWork, GroupRunner, completed_work, runner_for
+from dtjob.trainer.collectives.errors import InvalidArgument, InvalidType
+from dtjob.trainer.collectives.hierarchical import PodLayout
+from dtjob.trainer.collectives.reduce_ops import RedOpType, ReduceOpLike, Reduction, check_op, op_kind
+from dtjob.trainer.collectives.selection import HIER, NATIVE
+from dtjob.trainer.collectives.work import CollectiveWork, GroupRunner, runner_for
 
 ProcessGroup = dist.ProcessGroup
 
-# Each op's algorithms by name (the names selection.ALGORITHMS offers).
+# dtjob's own algorithms of each op by name (selection.ALGORITHMS adds "hier" and "native").
 _ALL_REDUCE = {
     "ring": ring.all_reduce,
     "hd": halving_doubling.all_reduce,
@@ -53,77 +69,277 @@ def _group(group: ProcessGroup | None, name: str) -> ProcessGroup | None:
     if not isinstance(group, ProcessGroup) and group == dist.GroupMember.NON_GROUP_MEMBER:
         return None  # what new_group() hands a rank outside the group
     if not isinstance(group, ProcessGroup):
-        raise TypeError(f"{name}: group must be a ProcessGroup from new_group() or None, got {group!r}")
+        raise ValueError(f"{name}: group must be a ProcessGroup from new_group() or None, got {group!r}")
     return group
 
 
 def _check_tensor(name: str, arg: str, tensor: object) -> torch.Tensor:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name}: {arg} must be a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.dtype not in SUPPORTED_DTYPES:
-        supported = ", ".join(sorted(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES))
-        raise TypeError(
-            f"{name}: {arg} has dtype {tensor.dtype}, which is not supported; use one of {supported}"
+    if tensor.layout != torch.strided:
+        raise InvalidArgument(
+            f"{name}: {arg} is a sparse tensor (layout={tensor.layout}); dtjob's collectives take dense "
+            f"tensors: pass {arg}.to_dense(), or reduce its values() and indices() as dense tensors"
         )
     return tensor
 
 
 def _check_pair(name: str, output: torch.Tensor, input: torch.Tensor) -> None:
     if output.dtype != input.dtype:
-        raise TypeError(f"{name}: output dtype {output.dtype} differs from input dtype {input.dtype}")
+        raise InvalidType(f"{name}: output dtype {output.dtype} differs from input dtype {input.dtype}")
     if output.device != input.device:
-        raise ValueError(f"{name}: output is on {output.device} but input is on {input.device}")
+        raise InvalidArgument(f"{name}: output is on {output.device} but input is on {input.device}")
 
 
-def _algorithm(op: str, algorithm: str) -> str:
-    """The keyword, or the environment's override of "auto"; bad settings raise here, before any
-    message is sent (in the job, a rank that raised would leave its peers waiting)."""
-    selection.validate_keyword(op, algorithm)
-    if algorithm == "auto":
-        choice = selection.env_override(op) or "auto"
-        if choice == "auto":
-            tuning.trials_from_env()
-        return choice
-    return algorithm
+@dataclass
+class _Call:
+    """What the decision needs to know about one call."""
+
+    op: str  # selection's name: "allreduce", "reduce_scatter", "allgather", "broadcast"
+    name: str  # torch's name, for messages
+    runner: GroupRunner
+    device: torch.device
+    dtype: torch.dtype
+    nbytes: int  # the whole vector
+    kind: RedOpType | None  # None for the copies (all-gather, broadcast)
+    reduction: Reduction | None  # None where dtjob's algorithms cannot reduce it ...
+    refusal: Exception | None  # ... and why
+    local_world_size: int | None = None  # all_reduce's keyword
+
+    @property
+    def backend(self) -> str:
+        key = f"backend:{self.device.type}"
+        name = self.runner.cache.get(key)
+        if not isinstance(name, str):
+            name = self.runner.cache[key] = native.backend_name(self.runner.group, self.device)
+        return name
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    def pods(self, agreed_only: bool) -> PodLayout | str:
+        """The group's pod layout for hier, or why there is none. With `agreed_only`, a
+        LOCAL_WORLD_SIZE from the environment counts only once every rank has been seen to hold
+        the same value (auto's calibration checks it)."""
+        local = hierarchical.local_world_size(self.local_world_size)
+        if agreed_only and self.local_world_size is None:
+            agreed = self.runner.cache.get(f"local_world_size:{self.device.type}")
+            if agreed != local:
+                return f"LOCAL_WORLD_SIZE={local} is not the same on every rank"
+        key = f"pods:{local}"
+        if key not in self.runner.cache:
+            self.runner.cache[key] = hierarchical.pod_layout(self.runner.global_ranks, local)
+        layout = self.runner.cache[key]
+        assert isinstance(layout, PodLayout | str)
+        return layout
 
 
-def _auto(op: str, runner: GroupRunner, comm: Comm, vector: torch.Tensor) -> tuple[str, tuning.Trials | None]:
-    """Auto's algorithm for this call, and the kind's Trials while they still time candidates.
+def _reduction(
+    op: ReduceOpLike, dtype: torch.dtype, name: str
+) -> tuple[RedOpType, Reduction | None, Exception | None]:
+    """The op's kind (torch-wide rules checked: they raise), and dtjob's reduction or why not."""
+    kind = op_kind(op, name)
+    check_op(kind, dtype, name)
+    try:
+        return kind, Reduction(op, dtype, name), None
+    except (InvalidArgument, InvalidType) as refusal:
+        return kind, None, refusal
 
-    The cost model names the candidates; during a kind's trials they take turns, the ranks agree
-    on the finalists and then on the fastest, and keep it (tuning.py). With trials off the model
-    alone decides.
-    """
-    nbytes = vector.numel() * vector.element_size()
-    dtype_name = str(vector.dtype).removeprefix("torch.")
-    kind = tuning.call_kind(op, nbytes, dtype_name)
-    trials = runner.trials.get(kind)
-    if trials is None:  # a new kind (or trials off): ask the model
-        model = cost_model(runner, comm)
-        timed_calls = tuning.trials_from_env()
-        if timed_calls == 0:
-            return selection.choose(op, nbytes, comm.size, dtype_name, model), None
-        trials = runner.trials[kind] = tuning.plan(op, nbytes, comm.size, dtype_name, model, timed_calls)
-    if trials.ready_to_agree():  # the same call on every rank: all counted the same trials
-        seconds = torch.tensor(trials.local_seconds(), dtype=torch.float64)
-        ring.all_reduce(comm, seconds, Reduction(dist.ReduceOp.SUM, torch.float64))
+
+def _offered(call: _Call, for_auto: bool) -> tuple[str, ...]:
+    """The algorithms that can run this call (remembered per kind of call: it runs on every one)."""
+    local = hierarchical.local_world_size(call.local_world_size) if call.op == "allreduce" else 0
+    key = (call.op, call.dtype, call.kind, call.device.type, local, call.local_world_size, for_auto)
+    known = call.runner.offered.get(key)
+    if known is None:
+        known = call.runner.offered[key] = _find_offered(call, for_auto)
+    return known
+
+
+def _find_offered(call: _Call, for_auto: bool) -> tuple[str, ...]:
+    found = []
+    for algorithm in selection.ALGORITHMS[call.op]:
+        if algorithm == NATIVE:
+            ok = native.accepts(call.backend, call.kind, call.dtype)
+        elif algorithm == HIER:
+            ok = isinstance(call.pods(agreed_only=for_auto), PodLayout)
+        else:
+            ok = call.kind is None or call.reduction is not None
+        if ok:
+            found.append(algorithm)
+    return tuple(found)
+
+
+def _refuse(call: _Call, algorithm: str) -> None:
+    """Raise why `algorithm` cannot run the call, if it cannot (before any message is sent)."""
+    if algorithm == NATIVE:
+        return  # the backend decides, and raises its own error
+    if algorithm == HIER:
+        layout = call.pods(agreed_only=False)
+        if not isinstance(layout, PodLayout):
+            raise InvalidArgument(
+                f"{call.name}: algorithm='hier' needs a group spanning several worker pods with the same "
+                f"number (at least 2) of its members in each; this group has {layout}. Use another "
+                "algorithm, or pass local_world_size= if LOCAL_WORLD_SIZE does not describe the pods"
+            )
+        return
+    if call.refusal is not None:
+        raise call.refusal
+
+
+def _comm(runner: GroupRunner, tag: int, device: torch.device) -> Comm:
+    stream_key = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    return Comm(
+        runner.group,
+        tag,
+        scratch_pool=runner.scratch_pool,
+        global_ranks=runner.global_ranks,
+        stream_key=stream_key,
+    )
+
+
+def _calibrate(call: _Call) -> selection.CostModel:
+    """The group's cost model for the call's device type, measured once with the agreement on
+    LOCAL_WORLD_SIZE (both collective: every rank's first auto call on the group gets here)."""
+    runner, device = call.runner, call.device
+    model = runner.cache.get(f"cost_model:{device.type}")
+    if isinstance(model, selection.CostModel):
+        return model
+    local = hierarchical.local_world_size(None)
+
+    def measure(tag: int) -> str:
+        comm = _comm(runner, tag, device)
+        cost_model(runner, comm, device)
+        agreed = same_everywhere(comm, local, device)
+        runner.cache[f"local_world_size:{device.type}"] = local if agreed else None
+        return "calibration"
+
+    runner.run_now(measure)
+    model = runner.cache[f"cost_model:{device.type}"]
+    assert isinstance(model, selection.CostModel)
+    return model
+
+
+def _agree(call: _Call, trials: tuning.Trials) -> None:
+    """Every rank adds up the trial times call by call (after the queued calls ran)."""
+    runner, device = call.runner, call.device
+
+    def agree(tag: int) -> str:
+        seconds = torch.tensor(trials.local_seconds(), dtype=torch.float64, device=device)
+        ring.all_reduce(_comm(runner, tag, device), seconds, Reduction(dist.ReduceOp.SUM, torch.float64))
         trials.agree(seconds.tolist())
+        return "agreement"
+
+    runner.run_now(agree)
+
+
+def _auto(call: _Call) -> tuple[str, tuning.Trials | None]:
+    """Auto's algorithm for this call, and its Trials when this call's time is to be recorded."""
+    model = _calibrate(call)
+    offered = _offered(call, for_auto=True)
+    if not offered:
+        assert call.refusal is not None
+        raise call.refusal
+    if len(offered) == 1:
+        return offered[0], None
+    layout = call.pods(agreed_only=True)
+    pods = layout.shape if isinstance(layout, PodLayout) else None
+    n, kind = call.runner.size, tuning.call_kind(call.op, call.nbytes, call.dtype_name, call.device.type)
+    trials = call.runner.trials.get(kind)
+    if trials is None:
+        timed_calls = tuning.trials_from_env()
+        if timed_calls == 0:  # the model alone; on NCCL it knows nothing of NCCL's own kernels
+            if NATIVE in offered and call.backend == "nccl":
+                return NATIVE, None
+            return selection.choose(call.op, call.nbytes, n, call.dtype_name, model, offered, pods), None
+        trials = tuning.plan(call.op, call.nbytes, n, call.dtype_name, model, timed_calls, offered, pods)
+        call.runner.trials[kind] = trials
+    if trials.ready_to_agree():
+        _agree(call, trials)
     if trials.winner is not None:
         return trials.winner, None
-    return trials.next_candidate(), trials
+    algorithm, timed = trials.take()
+    return algorithm, trials if timed else None
 
 
-def _run(
-    op: str, choice: str, runner: GroupRunner, comm: Comm, vector: torch.Tensor, run: Callable[[str], None]
-) -> str:
-    """Run one call of `op` on the flat `vector` with `choice` ("auto" resolved); returns what ran."""
-    algorithm, trials = (choice, None) if choice != "auto" else _auto(op, runner, comm, vector)
-    runner.last_algorithm[op] = algorithm
-    start = time.perf_counter()
-    run(algorithm)
-    if trials is not None:
-        trials.record(algorithm, time.perf_counter() - start)
-    return algorithm
+def _decide(call: _Call, algorithm: str) -> tuple[str, tuning.Trials | None]:
+    """The keyword, else DTJOB_COLLECTIVE_ALGO where it can run the call, else auto. Bad settings
+    raise here, before any message is sent (a rank that raised would leave its peers waiting)."""
+    selection.validate_keyword(call.op, algorithm)
+    if algorithm != "auto":
+        _refuse(call, algorithm)
+        return algorithm, None
+    forced = selection.env_override(call.op)
+    tuning.trials_from_env()
+    if forced is not None and forced in _offered(call, for_auto=False):
+        return forced, None
+    return _auto(call)
+
+
+class _Timer:
+    """A call's duration: perf_counter on CPU; CUDA events, read once they completed."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._cuda = device.type == "cuda"
+        if self._cuda:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self._t0 = time.perf_counter()
+
+    def stop(self) -> tuning.Seconds:
+        if not self._cuda:
+            return time.perf_counter() - self._t0
+        start, end = self._start, torch.cuda.Event(enable_timing=True)
+        end.record()
+
+        def seconds() -> float:
+            end.synchronize()
+            return float(start.elapsed_time(end)) / 1e3
+
+        return seconds
+
+
+def _execute(
+    call: _Call,
+    algorithm: str,
+    trials: tuning.Trials | None,
+    async_op: bool,
+    result: list[torch.Tensor],
+    touched: list[torch.Tensor],
+    run: Callable[[str, Comm], None],
+    run_native: Callable[[bool], dist.Work | None],
+) -> CollectiveWork | None:
+    """Run the decided call: native at once in this thread, dtjob's algorithms on the runner."""
+    runner, device = call.runner, call.device
+    runner.last_algorithm[call.op] = algorithm
+    if algorithm == NATIVE:
+        if trials is not None:  # a timed trial call runs on its own, as dtjob's trial calls do
+            runner.drain()
+            timer = _Timer(device)
+            run_native(False)
+            trials.add(NATIVE, timer.stop())
+            return CollectiveWork.completed(result, NATIVE) if async_op else None
+        work = run_native(async_op)
+        if not async_op:
+            return None
+        return (
+            CollectiveWork.of_native(work, result)
+            if work is not None
+            else CollectiveWork.completed(result, NATIVE)
+        )
+
+    def job(tag: int) -> str:
+        comm = _comm(runner, tag, device)
+        with torch.no_grad():
+            timer = _Timer(device) if trials is not None else None
+            run(algorithm, comm)
+            if trials is not None and timer is not None:
+                trials.add(algorithm, timer.stop())
+        return algorithm
+
+    return runner.submit(job, async_op, result, device, touched)
 
 
 def _flat(tensor: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -133,33 +349,9 @@ def _flat(tensor: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return tensor.contiguous().view(-1), True
 
 
-def _submit(
-    runner: GroupRunner, job: Callable[[Comm], str], async_op: bool, tensors: list[torch.Tensor]
-) -> CollectiveWork | None:
-    group = runner.group
-    pool = runner.scratch_pool
-    return runner.submit(lambda tag: job(Comm(group, tag, scratch_pool=pool)), async_op, tensors)
-
-
-def _submit_in_place(
-    op: str,
-    choice: str,
-    runner: GroupRunner,
-    tensor: torch.Tensor,
-    async_op: bool,
-    algorithm: Callable[[str, Comm, torch.Tensor], None],
-) -> CollectiveWork | None:
-    """Submit `algorithm(name, comm, flat)` on a flat view of `tensor` (all_reduce, broadcast and
-    all_gather work in place); a non-contiguous tensor is worked on in a copy, written back after."""
-
-    def job(comm: Comm) -> str:
-        flat, copied = _flat(tensor)
-        ran = _run(op, choice, runner, comm, flat, lambda name: algorithm(name, comm, flat))
-        if copied:
-            tensor.copy_(flat.view_as(tensor))
-        return ran
-
-    return _submit(runner, job, async_op, [tensor])
+def _nothing_to_send(tensors: list[torch.Tensor], async_op: bool) -> CollectiveWork | None:
+    """One rank, or nothing to move: no message, a completed handle for an async call."""
+    return CollectiveWork.completed(tensors, None) if async_op else None
 
 
 def all_reduce(
@@ -169,22 +361,44 @@ def all_reduce(
     async_op: bool = False,
     *,
     algorithm: str = "auto",
+    local_world_size: int | None = None,
 ) -> CollectiveWork | None:
-    """Reduce `tensor` across the group in place; every rank ends with the same bits."""
-    pg = _group(group, "all_reduce")
+    """Reduce `tensor` across the group in place; every rank ends with the same bits.
+
+    `local_world_size`: processes per worker pod, for algorithm="hier" (default: LOCAL_WORLD_SIZE).
+    """
+    name = "all_reduce"
+    pg = _group(group, name)
     if pg is None:
         return None
-    _check_tensor("all_reduce", "tensor", tensor)
-    reduction = Reduction(op, tensor.dtype)
-    choice = _algorithm("allreduce", algorithm)
+    _check_tensor(name, "tensor", tensor)
+    kind, reduction, refusal = _reduction(op, tensor.dtype, name)
+    selection.validate_keyword("allreduce", algorithm)
     runner = runner_for(pg)
     if runner.size == 1 or tensor.numel() == 0:
-        return completed_work([tensor]) if async_op else None
+        return _nothing_to_send([tensor], async_op)
+    nbytes = tensor.numel() * tensor.element_size()
+    call = _Call("allreduce", name, runner, tensor.device, tensor.dtype, nbytes, kind, reduction, refusal)
+    call.local_world_size = local_world_size
+    choice, trials = _decide(call, algorithm)
 
-    def run(name: str, comm: Comm, flat: torch.Tensor) -> None:
-        _ALL_REDUCE[name](comm, flat, reduction)
+    def run(algo: str, comm: Comm) -> None:
+        assert reduction is not None
+        flat, copied = _flat(tensor)
+        buf = reduction.view(flat)
+        if algo == HIER:
+            layout = call.pods(agreed_only=False)
+            assert isinstance(layout, PodLayout)
+            hierarchical.all_reduce(comm, buf, reduction, layout)
+        else:
+            _ALL_REDUCE[algo](comm, buf, reduction)
+        if copied:
+            tensor.copy_(flat.view_as(tensor))
 
-    return _submit_in_place("allreduce", choice, runner, tensor, async_op, run)
+    def run_native(async_call: bool) -> dist.Work | None:
+        return native.all_reduce(tensor, op, kind, pg, async_call, call.backend)
+
+    return _execute(call, choice, trials, async_op, [tensor], [tensor], run, run_native)
 
 
 def reduce_scatter_tensor(
@@ -204,39 +418,41 @@ def reduce_scatter_tensor(
     _check_tensor(name, "output", output)
     _check_tensor(name, "input", input)
     _check_pair(name, output, input)
-    reduction = Reduction(op, input.dtype)
-    choice = _algorithm("reduce_scatter", algorithm)
+    kind, reduction, refusal = _reduction(op, input.dtype, name)
+    selection.validate_keyword("reduce_scatter", algorithm)
     runner = runner_for(pg)
     n, count = runner.size, output.numel()
     if input.numel() != n * count:
-        raise ValueError(
+        raise InvalidArgument(
             f"{name}: input has {input.numel()} elements but must have world_size ({n}) x "
             f"output.numel() ({count}) = {n * count}"
         )
     if n == 1 or count == 0:
         output.copy_(input.view_as(output) if input.is_contiguous() else input.reshape(output.shape))
-        return completed_work([output]) if async_op else None
+        return _nothing_to_send([output], async_op)
+    nbytes = input.numel() * input.element_size()
+    call = _Call("reduce_scatter", name, runner, input.device, input.dtype, nbytes, kind, reduction, refusal)
+    choice, trials = _decide(call, algorithm)
 
-    def job(comm: Comm) -> str:
-        src = input.reshape(-1)  # a view of a contiguous input, else a copy
+    def run(algo: str, comm: Comm) -> None:
+        assert reduction is not None
+        src = reduction.view(input.reshape(-1))  # a view of a contiguous input, else a copy
         # The algorithms read src while they write out, so out must not share memory with it.
-        shared = output.untyped_storage().data_ptr() == src.untyped_storage().data_ptr()
+        shared = output.untyped_storage().data_ptr() == input.untyped_storage().data_ptr()
         separate = shared or not output.is_contiguous()
-        out = torch.empty(count, dtype=src.dtype, device=src.device) if separate else output.view(-1)
-        bounds = [i * count for i in range(n + 1)]
-        algo = _run(
-            "reduce_scatter",
-            choice,
-            runner,
-            comm,
-            src,
-            lambda a: _REDUCE_SCATTER[a](comm, src, out, bounds, reduction),
+        flat_out = (
+            torch.empty(count, dtype=output.dtype, device=output.device) if separate else output.view(-1)
         )
+        out = reduction.view(flat_out)
+        width = out.numel()
+        _REDUCE_SCATTER[algo](comm, src, out, [i * width for i in range(n + 1)], reduction)
         if separate:
-            output.copy_(out.view_as(output))
-        return algo
+            output.copy_(flat_out.view_as(output))
 
-    return _submit(runner, job, async_op, [output])
+    def run_native(async_call: bool) -> dist.Work | None:
+        return native.reduce_scatter_tensor(output, input, op, kind, pg, async_call, call.backend)
+
+    return _execute(call, choice, trials, async_op, [output], [output, input], run, run_native)
 
 
 def all_gather_into_tensor(
@@ -255,25 +471,37 @@ def all_gather_into_tensor(
     _check_tensor(name, "output_tensor", output_tensor)
     _check_tensor(name, "input_tensor", input_tensor)
     _check_pair(name, output_tensor, input_tensor)
-    choice = _algorithm("allgather", algorithm)
+    selection.validate_keyword("allgather", algorithm)
     runner = runner_for(pg)
     n, count = runner.size, input_tensor.numel()
     if output_tensor.numel() != n * count:
-        raise ValueError(
+        raise InvalidArgument(
             f"{name}: output_tensor has {output_tensor.numel()} elements but must have world_size ({n}) "
             f"x input_tensor.numel() ({count}) = {n * count}"
         )
     if n == 1 or count == 0:
         output_tensor.copy_(input_tensor.reshape(output_tensor.shape))
-        return completed_work([output_tensor]) if async_op else None
+        return _nothing_to_send([output_tensor], async_op)
+    nbytes = output_tensor.numel() * output_tensor.element_size()
+    device, dtype = output_tensor.device, output_tensor.dtype
+    call = _Call("allgather", name, runner, device, dtype, nbytes, None, None, None)
+    choice, trials = _decide(call, algorithm)
 
-    bounds = [i * count for i in range(n + 1)]
+    def run(algo: str, comm: Comm) -> None:
+        flat, copied = _flat(output_tensor)
+        buf = flat.view(torch.uint8)  # a copy moves bytes: any dtype
+        width = nbytes // n
+        bounds = [i * width for i in range(n + 1)]
+        buf[bounds[comm.rank] : bounds[comm.rank + 1]].copy_(input_tensor.reshape(-1).view(torch.uint8))
+        _ALL_GATHER[algo](comm, buf, bounds)
+        if copied:
+            output_tensor.copy_(flat.view_as(output_tensor))
 
-    def run(name: str, comm: Comm, flat: torch.Tensor) -> None:
-        flat[bounds[comm.rank] : bounds[comm.rank + 1]].copy_(input_tensor.reshape(-1))
-        _ALL_GATHER[name](comm, flat, bounds)
+    def run_native(async_call: bool) -> dist.Work | None:
+        return native.all_gather_into_tensor(output_tensor, input_tensor, pg, async_call, call.backend)
 
-    return _submit_in_place("allgather", choice, runner, output_tensor, async_op, run)
+    touched = [output_tensor, input_tensor]
+    return _execute(call, choice, trials, async_op, [output_tensor], touched, run, run_native)
 
 
 def broadcast(
@@ -281,48 +509,66 @@ def broadcast(
     src: int | None = None,
     group: ProcessGroup | None = None,
     async_op: bool = False,
-    *,
     group_src: int | None = None,
+    *,
     algorithm: str = "auto",
 ) -> CollectiveWork | None:
     """Copy `tensor` from global rank `src` (or group rank `group_src`) to every rank of the group."""
-    pg = _group(group, "broadcast")
+    name = "broadcast"
+    pg = _group(group, name)
     if pg is None:
         return None
-    _check_tensor("broadcast", "tensor", tensor)
-    if (src is None) == (group_src is None):
-        raise ValueError("broadcast: give exactly one of src (global rank) or group_src (rank in group)")
+    _check_tensor(name, "tensor", tensor)
+    if src is not None and group_src is not None:
+        raise InvalidArgument(
+            f"{name}: give src (a global rank) or group_src (a rank in the group), not both"
+        )
+    if src is None and group_src is None:
+        raise InvalidArgument(f"{name}: give src (a global rank) or group_src (a rank in the group)")
     if group_src is None:
         assert src is not None
         try:
             root = dist.get_group_rank(pg, src)
         except (ValueError, RuntimeError) as error:
-            raise ValueError(f"broadcast: src={src} is not a member of the group: {error}") from error
+            raise InvalidArgument(f"{name}: src={src} is not a member of the group: {error}") from error
     else:
         root = group_src
     if not 0 <= root < pg.size():
-        raise ValueError(f"broadcast: group_src={root} is outside the group (size {pg.size()})")
-    choice = _algorithm("broadcast", algorithm)
+        raise InvalidArgument(f"{name}: group_src={root} is outside the group (size {pg.size()})")
+    selection.validate_keyword("broadcast", algorithm)
     runner = runner_for(pg)
     if runner.size == 1 or tensor.numel() == 0:
-        return completed_work([tensor]) if async_op else None
+        return _nothing_to_send([tensor], async_op)
+    nbytes = tensor.numel() * tensor.element_size()
+    call = _Call("broadcast", name, runner, tensor.device, tensor.dtype, nbytes, None, None, None)
+    choice, trials = _decide(call, algorithm)
 
-    def run(name: str, comm: Comm, flat: torch.Tensor) -> None:
-        _BROADCAST[name](comm, flat, root)
+    def run(algo: str, comm: Comm) -> None:
+        flat, copied = _flat(tensor)
+        _BROADCAST[algo](comm, flat.view(torch.uint8), root)
+        if copied:
+            tensor.copy_(flat.view_as(tensor))
 
-    return _submit_in_place("broadcast", choice, runner, tensor, async_op, run)
+    def run_native(async_call: bool) -> dist.Work | None:
+        return native.broadcast(tensor, pg, async_call, call.backend, runner.global_ranks[root])
+
+    return _execute(call, choice, trials, async_op, [tensor], [tensor], run, run_native)
 
 
 def last_algorithm(op: str, group: ProcessGroup | None = None) -> str | None:
-    """The algorithm the latest `op` call ("allreduce", "reduce_scatter", ...) on `group` ran."""
+    """The algorithm the latest `op` call ("allreduce", "reduce_scatter", ...) on `group` ran
+    (for an async call still queued: the one it will run)."""
     pg = _group(group, "last_algorithm")
     return None if pg is None else runner_for(pg).last_algorithm.get(op)
 
 
-def calibrated_costs(group: ProcessGroup | None = None) -> selection.CostModel | None:
-    """The alpha-beta-gamma constants `auto` measured on `group` (None before its first auto call)."""
+def calibrated_costs(
+    group: ProcessGroup | None = None, device_type: str = "cpu"
+) -> selection.CostModel | None:
+    """The alpha-beta-gamma constants `auto` measured on `group` for `device_type` (None before
+    its first auto call there)."""
     pg = _group(group, "calibrated_costs")
-    cached = None if pg is None else runner_for(pg).cache.get("cost_model")
+    cached = None if pg is None else runner_for(pg).cache.get(f"cost_model:{device_type}")
     return cached if isinstance(cached, selection.CostModel) else None
 
 

@@ -1,14 +1,24 @@
 """Point-to-point plumbing shared by every algorithm: who my neighbours are, how a buffer is cut.
 
-A `Comm` is one collective call's view of a process group. All traffic goes through
-`ProcessGroup.send`/`recv` (what `torch.distributed.isend`/`irecv` call underneath, minus their
-per-call Python checks) with the group's own ranks, so subgroups from `new_group` need no
-translation here. On a backend that coalesces point-to-point calls (NCCL), each `post` becomes one
-`batch_isend_irecv` group so a send and its matching receive are launched together.
+A `Comm` is one collective call's view of a process group, or of a subset of its members (the
+phases of the hierarchical all-reduce): `rank` and `size` count the members, and peers are
+given as member indices, translated to the group's ranks here.
 
-Every message of one call carries the call's tag (a per-group sequence number). Gloo delivers
-messages of the same (peer, tag) in the order they were posted and every algorithm posts them in
-the same order on both ends, so segments need no tag of their own.
+Two ways to move a message, chosen by the backend:
+- gloo (no coalescing): `ProcessGroup.send`/`recv` straight away (what `torch.distributed.isend`/
+  `irecv` call underneath, minus their per-call Python checks). Receives may be posted long
+  before their sends (see can_prepost).
+- NCCL (a backend that coalesces p2p calls): each `post` is one `batch_isend_irecv` batch, which
+  torch runs as one NCCL group (ncclGroupStart/End) on the communicator's stream. Nothing waits
+  on the host: `Work.wait()` of an NCCL work makes the caller's current CUDA stream wait for it,
+  so the reductions queued after it (on that stream) see the received bytes, and a send posted
+  after a reduction reads its result (torch makes the NCCL stream wait for the current stream
+  when it launches). CUDA tensors never leave the device. dtypes NCCL has no type for (int16,
+  complex as a whole) travel as their bytes.
+
+Every message of one call carries the call's tag (one per phase). Gloo delivers messages of the
+same (peer, tag) in the order they were posted and every algorithm posts them in the same order
+on both ends, so segments need no tag of their own; NCCL ignores tags and matches by order.
 """
 
 from __future__ import annotations
@@ -21,19 +31,32 @@ import torch
 import torch.distributed as dist
 
 # Segmenting policy of the pipelined algorithms: a region sent to one peer in one step (a ring
-# chunk, a halving/doubling half) is cut into 2 segments, so reducing the first overlaps receiving
-# the second, as gloo's ring does - but only from 2 x 4 MiB up. Each p2p message costs gloo's TCP
-# loop thread and ours ~150 us of CPU here (measured: 2 ranks, 1 MiB all-reduce, 2 segments per
-# region instead of 1 added 0.7 ms of CPU per call), and with 4-8 ranks on 2 cores there is no idle
-# core for the overlap to use, so below that size cutting costs more than it hides.
-# Checked at 16 MiB on 4 ranks (4 MiB chunks, so whole-chunk messages), ABBA-paired over 60
-# rounds: cutting the chunks into 2 MiB segments took 1.03x the time, into 1 MiB ones 1.09x; and
-# receiving into two reused areas (as gloo's own ring does) instead of one area per step, 1.00x.
+# chunk, a halving/doubling half) is cut into 2 segments, so reducing the first overlaps
+# receiving the second, as gloo's ring does - but only from 2 x 4 MiB up: below that, the extra
+# message (~150 us of CPU in gloo's loop and ours) costs more than the overlap hides where ranks
+# outnumber cores (measurements in bench/README.md).
 SEGMENTS_PER_REGION = 2
 MIN_SEGMENT_BYTES = 4 << 20
 SEGMENT_ENV_VAR = "DTJOB_COLLECTIVE_SEGMENT_BYTES"
 
+# The dtypes NCCL's send and receive take as they are (torch's ncclDataType map); others, and
+# complex, go as bytes.
+_NCCL_WIRE_DTYPES = frozenset(
+    {
+        torch.bool,
+        torch.uint8,
+        torch.int8,
+        torch.int32,
+        torch.int64,
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+    }
+)
+
 Works = list[dist.Work]  # what posting returns: one work per message (none for an empty tensor)
+ScratchPool = dict[tuple[int, torch.dtype, torch.device, int], torch.Tensor]
 
 
 def segments_for(nbytes: float, fixed_segment_bytes: int | None = None) -> int:
@@ -77,32 +100,81 @@ def balanced_bounds(numel: int, parts: int) -> list[int]:
     return bounds
 
 
+def coalesces(group: dist.ProcessGroup, device: torch.device) -> bool:
+    """Whether the group's backend for `device` batches p2p calls (NCCL), as batch_isend_irecv
+    decides it: the backend's `supports_coalescing`, or, in torch versions without that
+    property, whether the tensors are on CUDA."""
+    try:
+        backend = group._get_backend(device)
+    except RuntimeError:
+        return False
+    flag = getattr(backend, "supports_coalescing", None)
+    return bool(flag) if flag is not None else device.type == "cuda"
+
+
 class Comm:
-    """One collective call on one process group: rank, size, tag and p2p posting."""
+    """One collective call on a process group (or a subset of its members): rank, size, tag, posting.
+
+    `global_ranks[i]` is the default-group rank of group rank i (what P2POp takes as its peer in
+    every torch version); `members`, when set, are the group ranks taking part, in member order.
+    `stream_key` names the CUDA stream the call runs on (0 on CPU): scratch buffers are kept per
+    stream, so calls on different streams never share one.
+    """
 
     def __init__(
         self,
         group: dist.ProcessGroup,
         tag: int,
         segment_bytes: int | None = None,
-        scratch_pool: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] | None = None,
+        scratch_pool: ScratchPool | None = None,
+        *,
+        global_ranks: Sequence[int] | None = None,
+        members: Sequence[int] | None = None,
+        stream_key: int = 0,
     ) -> None:
         self.group = group
-        self.rank = group.rank()
-        self.size = group.size()
+        self.members = tuple(members) if members is not None else None
+        me = group.rank()
+        self.rank = self.members.index(me) if self.members is not None else me
+        self.size = len(self.members) if self.members is not None else group.size()
         self.tag = tag
         self.segment_bytes = segment_bytes if segment_bytes is not None else segment_bytes_from_env()
+        self.stream_key = stream_key
+        self._global_ranks = tuple(global_ranks) if global_ranks is not None else None
         self._coalescing: bool | None = None
-        self._pool = scratch_pool if scratch_pool is not None else {}
+        self._pool: ScratchPool = scratch_pool if scratch_pool is not None else {}
+
+    def subset(self, members: Sequence[int], phase: int) -> Comm:
+        """A Comm over `members` (indices into this Comm's members) with the call's `phase`-th tag."""
+        sub = Comm(
+            self.group,
+            self.tag + phase,
+            self.segment_bytes,
+            self._pool,
+            global_ranks=self._global_ranks,
+            members=[self.group_rank(m) for m in members],
+            stream_key=self.stream_key,
+        )
+        sub._coalescing = self._coalescing
+        return sub
+
+    def group_rank(self, peer: int) -> int:
+        """The group rank of member `peer`."""
+        return self.members[peer] if self.members is not None else peer
+
+    def _global(self, peer: int) -> int:
+        if self._global_ranks is None:
+            self._global_ranks = tuple(dist.get_process_group_ranks(self.group))
+        return self._global_ranks[self.group_rank(peer)]
 
     def scratch(self, slot: int, numel: int, like: torch.Tensor) -> torch.Tensor:
         """A receive buffer of `numel` elements, reused across calls of the group.
 
         Reuse matters: a fresh multi-MiB buffer is fresh pages, and zero-filling them on first
-        touch cost ~20% of a large all-reduce's CPU time here. Calls of one group never overlap
-        (work.py), and within a call each slot has one purpose at a time.
+        touch cost ~20% of a large all-reduce's CPU time. Calls of one group on one stream never
+        overlap (work.py), and within a call each slot has one purpose at a time.
         """
-        key = (slot, like.dtype, like.device)
+        key = (slot, like.dtype, like.device, self.stream_key)
         buf = self._pool.get(key)
         if buf is None or buf.numel() < numel:
             buf = torch.empty(numel, dtype=like.dtype, device=like.device)
@@ -125,34 +197,31 @@ class Comm:
 
     def _needs_coalescing(self, device: torch.device) -> bool:
         if self._coalescing is None:
-            try:
-                backend = self.group._get_backend(device)
-                self._coalescing = bool(getattr(backend, "supports_coalescing", False))
-            except RuntimeError:
-                self._coalescing = False
+            self._coalescing = coalesces(self.group, device)
         return self._coalescing
 
     def send(self, tensor: torch.Tensor, peer: int) -> Works:
         """Post one send at once; only where receives may be preposted (gloo, see can_prepost)."""
-        return [self.group.send([tensor], peer, self.tag)] if tensor.numel() else []
+        return [self.group.send([tensor], self.group_rank(peer), self.tag)] if tensor.numel() else []
 
     def recv(self, tensor: torch.Tensor, peer: int) -> Works:
         """Post one receive at once; only where receives may be preposted (gloo, see can_prepost)."""
-        return [self.group.recv([tensor], peer, self.tag)] if tensor.numel() else []
+        return [self.group.recv([tensor], self.group_rank(peer), self.tag)] if tensor.numel() else []
 
     def recv_each(self, tensors: Sequence[torch.Tensor], peer: int) -> list[dist.Work | None]:
         """Post a receive into each tensor at once (gloo only, see can_prepost); None for an empty one."""
-        recv, tag = self.group.recv, self.tag
-        return [recv([t], peer, tag) if t.numel() else None for t in tensors]
+        recv, tag, source = self.group.recv, self.tag, self.group_rank(peer)
+        return [recv([t], source, tag) if t.numel() else None for t in tensors]
 
     def post(
         self,
         sends: Sequence[tuple[torch.Tensor, int]] = (),
         recvs: Sequence[tuple[torch.Tensor, int]] = (),
     ) -> tuple[Works, Works]:
-        """Start sends and receives (group ranks as peers); empty tensors are skipped on both ends.
+        """Start sends and receives (member indices as peers); empty tensors are skipped on both ends.
 
-        Returns (send works, receive works), in the order given, empty ones left out.
+        Returns (send works, receive works), in the order given, empty ones left out. On NCCL the
+        batch comes back as one work, returned in both lists: waiting on it covers everything.
         """
         sends = [(t, p) for t, p in sends if t.numel() > 0]
         recvs = [(t, p) for t, p in recvs if t.numel() > 0]
@@ -160,15 +229,21 @@ class Comm:
             return [], []
         device = (sends or recvs)[0][0].device
         if self._needs_coalescing(device):
-            ops = [dist.P2POp(dist.irecv, t, group=self.group, tag=self.tag, group_peer=p) for t, p in recvs]
-            ops += [dist.P2POp(dist.isend, t, group=self.group, tag=self.tag, group_peer=p) for t, p in sends]
+            group, tag = self.group, self.tag
+            ops = [dist.P2POp(dist.irecv, _wire(t), self._global(p), group, tag) for t, p in recvs]
+            ops += [dist.P2POp(dist.isend, _wire(t), self._global(p), group, tag) for t, p in sends]
             works = dist.batch_isend_irecv(ops)
             if len(works) != len(ops):  # coalesced into one work: wait on it for everything
                 return list(works), list(works)
             return works[len(recvs) :], works[: len(recvs)]
-        recv_works = [self.group.recv([t], p, self.tag) for t, p in recvs]
-        send_works = [self.group.send([t], p, self.tag) for t, p in sends]
+        recv_works = [self.group.recv([t], self.group_rank(p), self.tag) for t, p in recvs]
+        send_works = [self.group.send([t], self.group_rank(p), self.tag) for t, p in sends]
         return send_works, recv_works
+
+
+def _wire(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor as NCCL can move it: itself, or its bytes (a view, no copy)."""
+    return tensor if tensor.dtype in _NCCL_WIRE_DTYPES else tensor.view(torch.uint8)
 
 
 def wait_all(works: Sequence[dist.Work]) -> None:

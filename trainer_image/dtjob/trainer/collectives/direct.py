@@ -7,14 +7,13 @@ to every other rank. All-reduce is the two in a row. Per rank that is the ring's
 - (n-1)/n of the vector out and in per phase - and the same 2(n-1) messages, but no message
 waits for another: the ring forwards along n-1 dependent steps per phase, here each phase is one.
 
-Why it pays here: on a host where ranks outnumber cores, a ring step stalls whenever its
-predecessor is not scheduled, and the stalls add up along the chain (measured, 4 ranks on 2
-cores, all-reduce, five runs of bench/results: 1 MiB 1.1-1.5x and 4 MiB 1.1-1.2x as fast as the
-ring, 16-64 MiB on par; 8 ranks, one run: 1 MiB 1.4x, 4 MiB 1.4x, 16 MiB 1.1x). Each phase's
-n-1 messages still cost their per-message overhead, which the cost model (selection.py) charges,
-measured. What it does not model: on a real network n-1 simultaneous flows into one receiver are
-an incast, so for large groups across switches force the ring (DTJOB_COLLECTIVE_ALGO=ring) until
-that is measured.
+Why it pays: on a host where ranks outnumber cores, a ring step stalls whenever its
+predecessor is not scheduled, and the stalls add up along the chain; direct was 1.1-1.5x as fast
+as the ring at 1-4 MiB with 4 and 8 ranks on 2 cores, on par from 16 MiB (bench/README.md). Each
+phase's n-1 messages still cost their per-message overhead, which the cost model (selection.py)
+charges, measured. What it does not model: on a real network n-1 simultaneous flows into one
+receiver are an incast, so for large groups across switches force the ring
+(DTJOB_COLLECTIVE_ALGO=ring) until that is measured.
 
 On gloo every receive of a call (the all-gather's too) is posted before the first send, so no send
 waits for the receiver to get ready; a peer's reduce-scatter and all-gather messages share the

@@ -11,15 +11,12 @@ step s is the very region sent as segment j of step s+1: as soon as segment j is
 on while segment j+1 is still arriving. That is gloo's segmented ring: transfer and reduction overlap.
 On gloo every receive is posted up front (see Comm.can_prepost), each step into its own scratch area;
 the all-reduce posts its all-gather's receives before its reduce-scatter's first send.
-In the all-reduce the sum of a step lands in buf, not in the scratch area just received: adding
-into that area and forwarding it (its tail perhaps still in cache) took 1.01x the time at 16 MiB
-and 0.98x at 4 MiB (4 ranks, ABBA-paired, 40 rounds), no gain worth a second layout. The
-reduce-scatter does just that, so that it can leave its input as it is without copying it.
+In the all-reduce the sum of a step lands in buf, not in the scratch area just received; the
+reduce-scatter sums into that area and forwards it from there, so that it can leave its input as
+it is without copying it (0.7-0.75x the time of reducing a copy in place, bench/README.md).
 
-All data goes one way round, to rank+1. Sending half the buffer each way (a bidirectional ring)
-puts data on both directions of every connection; on loopback TCP, 4 ranks on 2 cores, that took
-1.36x the time at 4 MiB, 1.16x at 16 MiB and 1.08x at 64 MiB (ABBA-paired, 80 rounds). hd and
-direct, which also exchange both ways at once, trail the ring at those sizes too.
+All data goes one way round, to rank+1: a bidirectional ring (half the buffer each way) took
+1.1-1.4x the time on loopback TCP with ranks outnumbering cores.
 """
 
 from __future__ import annotations
@@ -41,10 +38,8 @@ class _Layout:
 
     Segment j of chunk c is index c*k + j of `sizes`, the order in which `split_with_sizes` cuts
     the buffer. A call then only indexes tuples: working the offsets out on every call, in Python,
-    was ~400 interpreter calls per 4-rank all-reduce (now 134), and on cores shared by several
-    ranks that time sits on the ring's critical path. Measured, 4 ranks, 12 paired rounds, together
-    with the all-gather no longer waiting for the reduce-scatter's sends: 1.07x as fast at 64 KiB,
-    1.2x at 1 MiB, 1.13x at 4 MiB, 1.05x at 16 MiB.
+    costs ~400 interpreter calls per 4-rank all-reduce instead of ~130, and where ranks share
+    cores that time sits on the ring's critical path.
     """
 
     sizes: tuple[int, ...]  # elements of every segment, chunk-major
@@ -122,9 +117,8 @@ def _forward_in_stream(
 
 # The loops below run once per message of every call, on the critical path: with ranks
 # outnumbering cores, each interpreter call here delays the whole ring. So they keep to locals
-# and post gloo's sends through the group directly. Measured, 4 ranks, against the same loops
-# with helper calls per message (161 -> 134 interpreter calls per all-reduce), ABBA-paired,
-# median of 80 rounds: 1.10x as fast at 1 MiB, 1.04x at 4 MiB, 1.01x at 16 MiB.
+# and post gloo's sends through the group directly (up to 1.1x as fast as helper calls per
+# message at 1 MiB).
 
 
 def _reduce(
@@ -152,7 +146,7 @@ def _reduce(
     incoming = [area[s % areas].split_with_sizes(lay.area_sizes[s]) for s in range(steps)]
     received = _receives(comm, [inc[: lay.k] for inc in incoming], prepost)  # not the padding
     gather = _receives(comm, _gather_targets(segs, lay), True) if post_gather and prepost else None
-    send, nxt, tag, sizes = comm.group.send, (r + 1) % n, comm.tag, lay.sizes
+    send, nxt, tag, sizes = comm.group.send, comm.group_rank((r + 1) % n), comm.tag, lay.sizes
     sends: Works = []
     for j, i in enumerate(lay.reduce_first):
         if not prepost:
@@ -183,9 +177,7 @@ def reduce_scatter(
 ) -> None:
     """Reduce the flat `src`, left as it is, into `out`: chunk `comm.rank` of the result.
 
-    Out of place: no copy of src to work in. Measured, 4 ranks, ABBA-paired over 20 rounds,
-    against the same ring run in place on a copy of src (then copied out): 0.76x the time at
-    1 MiB, 0.75x at 4 MiB, 0.71x at 16 MiB, with bitwise the same result.
+    Out of place: no copy of src to work in (0.7-0.75x the time of reducing a copy in place).
     """
     if comm.size == 1:
         out.copy_(src[bounds[0] : bounds[1]])
@@ -205,6 +197,18 @@ def reduce_scatter(
     reduction.finish(out, comm.size)
 
 
+def reduce_scatter_in_place(comm: Comm, buf: torch.Tensor, bounds: list[int], reduction: Reduction) -> None:
+    """In place on the flat `buf`: afterwards chunk `comm.rank` holds the finished reduction and
+    the other chunks hold partial sums (the hierarchical all-reduce gathers over them)."""
+    if comm.size > 1:
+        lay = _layout_of(comm, buf, bounds)
+        sends, _ = _reduce(
+            comm, buf, buf.split_with_sizes(lay.sizes), lay, reduction, comm.can_prepost(buf.device)
+        )
+        wait_all(sends)
+    reduction.finish(buf[bounds[comm.rank] : bounds[comm.rank + 1]], comm.size)
+
+
 def _gather_targets(segs: tuple[torch.Tensor, ...], lay: _Layout) -> list[list[torch.Tensor]]:
     """Where each all-gather step receives: its chunk's segments, in place in buf."""
     return [[segs[i] for i in chunk] for chunk in lay.gather_steps]
@@ -217,7 +221,7 @@ def _gather(
     prepost = posted is not None or comm.can_prepost(segs[0].device)
     targets = [] if posted is not None else _gather_targets(segs, lay)  # used when not preposted
     received = posted if posted is not None else _receives(comm, targets, prepost)
-    send, nxt, tag, sizes = comm.group.send, (comm.rank + 1) % comm.size, comm.tag, lay.sizes
+    send, nxt, tag, sizes = comm.group.send, comm.group_rank((comm.rank + 1) % comm.size), comm.tag, lay.sizes
     for j, i in enumerate(lay.gather_first):
         if not prepost:
             _forward_in_stream(comm, segs[i], targets[0][j], sends, received[0], j)
@@ -256,9 +260,7 @@ def all_reduce(comm: Comm, buf: torch.Tensor, reduction: Reduction) -> None:
     segs = buf.split_with_sizes(lay.sizes)
     # On gloo the all-gather's receives go up before the first send, so a neighbour that finishes
     # its reduce-scatter first finds them posted: a send that beats its receive waits a round trip
-    # of gloo's ready-notifications. Measured (4 ranks, paired with the ring that posted them at
-    # the all-gather's start; two runs): 1.24-1.5x as fast at 1 MiB, 1.05-1.07x at 4 MiB,
-    # 1.04-1.12x at 16 MiB (and 1.03x at 64 MiB, in one of them).
+    # of gloo's ready-notifications (1.2-1.5x as fast at 1 MiB, ~1.05x from 4 MiB).
     # It is safe: the gather message into chunk c comes from c's owner once it has reduced c, which
     # needs our reduce-scatter send of c to have arrived; we never touch c in the reduce-scatter
     # after that send. For the same reason the all-gather need not wait for the reduce-scatter's

@@ -1,6 +1,7 @@
 """Which algorithm runs a call: explicit keyword > DTJOB_COLLECTIVE_ALGO > alpha-beta-gamma cost model.
 
-(With trials on, the model proposes and tuning.py times its close candidates on real calls.)
+(With trials on, the model proposes and tuning.py times its close candidates on real calls,
+always with the backend's own collective, "native", among them.)
 
 The cost model (Hockney's alpha-beta plus a gamma term for reduction, as in Thakur, Rabenseifner
 and Gropp, "Optimization of collective communication operations in MPICH", 2005):
@@ -13,6 +14,10 @@ and Gropp, "Optimization of collective communication operations in MPICH", 2005)
               what the direct algorithm pays instead of the ring's extra alphas
 
 The pipelined algorithms cut each region into segments (comm.segments_for); each costs one alpha.
+"native" is priced as what torch's gloo runs (a ring all-reduce; reduce-scatter = that all-reduce,
+then a copy; a ring all-gather; a tree broadcast); on NCCL the model is not asked about it (api.py).
+"hier" is priced with the same alpha and beta inside and across pods: the model cannot see the
+faster links inside a pod, only hier's fewer dependent steps; the trials see the links.
 The constants are measured on the running group (calibration.py) and then identical on every rank,
 so every rank makes the same choice - a different choice on two ranks would deadlock.
 Everything in this module is a pure function of its arguments.
@@ -29,11 +34,15 @@ from dtjob.trainer.collectives.comm import segments_for
 ENV_VAR = "DTJOB_COLLECTIVE_ALGO"
 
 ALGORITHMS: dict[str, tuple[str, ...]] = {
-    "allreduce": ("ring", "hd", "rd", "direct"),
-    "reduce_scatter": ("ring", "hd", "direct"),
-    "allgather": ("ring", "hd", "direct"),
-    "broadcast": ("tree", "ring", "hd"),
+    "allreduce": ("ring", "hd", "rd", "direct", "hier", "native"),
+    "reduce_scatter": ("ring", "hd", "direct", "native"),
+    "allgather": ("ring", "hd", "direct", "native"),
+    "broadcast": ("tree", "ring", "hd", "native"),
 }
+NATIVE = "native"
+HIER = "hier"
+# (pods, members per pod) of a group the hierarchical all-reduce applies to (hierarchical.py).
+Pods = tuple[int, int]
 
 _ALIASES = {
     "allreduce": "allreduce",
@@ -61,9 +70,9 @@ class CostModel:
         return max(self.gamma.values(), default=self.beta)
 
 
-# Used when nothing was measured yet (unit tests, or calibration=False): loopback TCP on one host,
-# ~60 us per exchange through Python, ~2.5 GB/s per link, ~4 GB/s float32 adds, ~40 us per further
-# message posted in the same step.
+# Used when nothing was measured yet (unit tests, one rank): loopback TCP on one host, ~60 us per
+# exchange through Python, ~2.5 GB/s per link, ~4 GB/s float32 adds, ~40 us per further message
+# posted in the same step.
 DEFAULT_COSTS = CostModel(alpha=60e-6, beta=0.4e-9, gamma={"float32": 0.25e-9}, overhead=40e-6)
 
 
@@ -92,11 +101,38 @@ def _direct_phase(m: CostModel, n: int, chunk: float) -> float:
     return m.alpha + (n - 2) * m.overhead + (n - 1) * chunk * m.beta
 
 
-def predict(op: str, algorithm: str, nbytes: int, world_size: int, dtype_name: str, m: CostModel) -> float:
-    """Predicted seconds of one call of `op` with `algorithm` on `nbytes` (the full vector)."""
+def _hier(m: CostModel, pods: Pods, nbytes: float, gamma: float) -> float:
+    """Ring reduce-scatter inside the pod, ring all-reduce of a k-th across pods, ring all-gather."""
+    count, k = pods
+    part = nbytes / k
+    inside = (k - 1) * (2 * _move(m, part) + part * gamma)  # reduce-scatter and all-gather
+    across = 2 * (count - 1) * _move(m, part / count) + (count - 1) * (part / count) * gamma
+    return inside + across
+
+
+def predict(
+    op: str,
+    algorithm: str,
+    nbytes: int,
+    world_size: int,
+    dtype_name: str,
+    m: CostModel,
+    pods: Pods | None = None,
+) -> float:
+    """Predicted seconds of one call of `op` with `algorithm` on `nbytes` (the full vector);
+    "hier" needs the group's `pods`."""
     n = world_size
     if n == 1 or nbytes == 0:
         return 0.0
+    if algorithm == NATIVE:  # what torch's gloo runs
+        shape = {"allreduce": "ring", "reduce_scatter": "ring", "allgather": "ring", "broadcast": "tree"}
+        as_op = "allreduce" if op == "reduce_scatter" else op
+        if op in shape:
+            return predict(as_op, shape[op], nbytes, n, dtype_name, m)
+    if algorithm == HIER and op == "allreduce":
+        if pods is None:
+            raise ValueError("the hierarchical all-reduce's cost needs the group's pods")
+        return _hier(m, pods, nbytes, m.gamma_for(dtype_name))
     g = m.gamma_for(dtype_name)
     chunk = nbytes / n
     p, extra = _fold(n)
@@ -149,11 +185,23 @@ def predict(op: str, algorithm: str, nbytes: int, world_size: int, dtype_name: s
     raise ValueError(f"no cost formula for op={op!r} algorithm={algorithm!r}")
 
 
-def choose(op: str, nbytes: int, world_size: int, dtype_name: str, m: CostModel) -> str:
-    """The cheapest algorithm for this call; ties go to the first in ALGORITHMS[op]."""
-    candidates = ALGORITHMS[op]
+def choose(
+    op: str,
+    nbytes: int,
+    world_size: int,
+    dtype_name: str,
+    m: CostModel,
+    available: tuple[str, ...] | None = None,
+    pods: Pods | None = None,
+) -> str:
+    """The cheapest of the `available` algorithms (default: all of `op`'s, hier only with `pods`);
+    ties go to the first in ALGORITHMS[op]."""
+    order = ALGORITHMS[op]
+    if available is None:
+        available = tuple(a for a in order if a != HIER or pods is not None)
     return min(
-        candidates, key=lambda a: (predict(op, a, nbytes, world_size, dtype_name, m), candidates.index(a))
+        available,
+        key=lambda a: (predict(op, a, nbytes, world_size, dtype_name, m, pods), order.index(a)),
     )
 
 

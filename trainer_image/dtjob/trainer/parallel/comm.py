@@ -4,9 +4,10 @@
 config field (`ParallelConfig.collective`) swaps the whole data path:
 
 - "native": `torch.distributed` collectives on the group (gloo here), asynchronous via async_op.
-- "auto" / "ring" / "hd" / "direct": `dtjob.trainer.collectives` with `algorithm=` that value,
+- "auto" / "ring" / "hd" / "direct" / "hier": `dtjob.trainer.collectives` with `algorithm=` that value,
   also asynchronous via async_op (they run a group's collectives in call order on one worker
-  thread). Direct has no broadcast, so with "direct" broadcasts use "auto".
+  thread). Direct has no broadcast, and hier (the hierarchical all-reduce, for pods of several
+  processes) is an all-reduce only; the ops they lack use "auto".
 
 All sums are averaged by the strategies themselves (divide after SUM), so the result does not
 depend on which ops an algorithm supports.
@@ -20,7 +21,10 @@ import torch
 import torch.distributed as dist
 
 # The values of every wrapper's `collective=`: dtjob's algorithms, or torch's own collectives.
-COLLECTIVES = ("auto", "ring", "hd", "direct", "native")
+COLLECTIVES = ("auto", "ring", "hd", "direct", "hier", "native")
+# Algorithms some ops lack: those ops use "auto" under them (hier is an all-reduce only, direct has
+# no broadcast).
+_PARTIAL = {"hier", "direct"}
 
 
 class Handle(Protocol):
@@ -49,11 +53,18 @@ class Comm:
         self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         self._ops: Any = dist
         self._extra: dict[str, str] = {}
+        self._auto: dict[str, str] = {}
         if algorithm != "native":
             from dtjob.trainer import collectives  # imported lazily: only needed for dtjob's own
 
             self._ops = collectives
             self._extra = {"algorithm": algorithm}
+            self._auto = {"algorithm": "auto"}
+
+    @property
+    def _others(self) -> dict[str, str]:
+        """The keyword for reduce-scatter and all-gather: hier is an all-reduce only."""
+        return self._auto if self.algorithm == "hier" else self._extra
 
     def global_rank(self, group_rank: int) -> int:
         """The default-group rank of this group's member `group_rank`."""
@@ -80,7 +91,7 @@ class Comm:
             return _Done()
         return self._handle(
             self._ops.reduce_scatter_tensor(
-                output, input, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op, **self._extra
+                output, input, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op, **self._others
             )
         )
 
@@ -91,7 +102,7 @@ class Comm:
             return _Done()
         return self._handle(
             self._ops.all_gather_into_tensor(
-                output, input, group=self.group, async_op=async_op, **self._extra
+                output, input, group=self.group, async_op=async_op, **self._others
             )
         )
 
@@ -100,7 +111,7 @@ class Comm:
         if self.size == 1:
             return _Done()
         src = self.global_rank(src_group_rank)
-        extra = {"algorithm": "auto"} if self.algorithm == "direct" else self._extra  # direct: no broadcast
+        extra = self._auto if self.algorithm in _PARTIAL else self._extra
         return self._handle(
             self._ops.broadcast(tensor, src=src, group=self.group, async_op=async_op, **extra)
         )
