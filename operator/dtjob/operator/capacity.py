@@ -4,7 +4,10 @@ Used to pick the world size of a new generation (shrink to what fits after a nod
 notice capacity returning (grow back). Counts every resource the worker requests
 (`nvidia.com/gpu`, `cpu`, `memory`, ...) plus one pod slot, against each node's allocatable minus
 what other pods bound to that node request. The job's own pods are not subtracted: they are the
-ones the new generation replaces.
+ones the new generation replaces. Only nodes the scheduler would consider count: the worker's
+tolerations must tolerate the node's NoSchedule and NoExecute taints, and its nodeSelector and
+required node affinity must match the node (a cluster with tainted GPU nodes, or the devcluster
+with simulated nodes beside real ones, would otherwise be counted as room it is not).
 """
 
 from __future__ import annotations
@@ -34,6 +37,68 @@ def node_is_usable(node: Mapping[str, Any]) -> bool:
     return node_is_ready(node) and not (node.get("spec") or {}).get("unschedulable", False)
 
 
+def _tolerates(tolerations: Sequence[Mapping[str, Any]], taint: Mapping[str, Any]) -> bool:
+    for t in tolerations:
+        if t.get("effect") and t.get("effect") != taint.get("effect"):
+            continue
+        if t.get("operator") == "Exists":
+            if not t.get("key") or t.get("key") == taint.get("key"):
+                return True
+        elif t.get("key") == taint.get("key") and (t.get("value") or "") == (taint.get("value") or ""):
+            return True
+    return False
+
+
+def _matches(requirement: Mapping[str, Any], values: Mapping[str, str]) -> bool:
+    """One node selector requirement (In, NotIn, Exists, DoesNotExist, Gt, Lt) against labels."""
+    key, op = requirement.get("key", ""), requirement.get("operator")
+    wanted = [str(v) for v in requirement.get("values") or []]
+    have = values.get(key)
+    if op == "In":
+        return have is not None and have in wanted
+    if op == "NotIn":
+        return have is None or have not in wanted
+    if op == "Exists":
+        return have is not None
+    if op == "DoesNotExist":
+        return have is None
+    if op in {"Gt", "Lt"} and have is not None and wanted:
+        try:
+            return int(have) > int(wanted[0]) if op == "Gt" else int(have) < int(wanted[0])
+        except ValueError:
+            return False
+    return False
+
+
+def node_admits(template: Mapping[str, Any], node: Mapping[str, Any]) -> bool:
+    """Whether the scheduler would consider `node` for a pod of `template` (taints, nodeSelector,
+    required node affinity), resources aside."""
+    spec = template.get("spec") or {}
+    tolerations = spec.get("tolerations") or []
+    for taint in (node.get("spec") or {}).get("taints") or []:
+        if taint.get("effect") in {"NoSchedule", "NoExecute"} and not _tolerates(tolerations, taint):
+            return False
+    meta = node.get("metadata") or {}
+    labels = meta.get("labels") or {}
+    if any(labels.get(k) != v for k, v in (spec.get("nodeSelector") or {}).items()):
+        return False
+    affinity = ((spec.get("affinity") or {}).get("nodeAffinity") or {}).get(
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    )
+    if affinity:
+        fields = {"metadata.name": str(meta.get("name", ""))}
+        terms = affinity.get("nodeSelectorTerms") or []
+        # Terms are ORed, the requirements inside one term ANDed; an empty term matches nothing.
+        if not any(
+            (term.get("matchExpressions") or term.get("matchFields"))
+            and all(_matches(r, labels) for r in term.get("matchExpressions") or [])
+            and all(_matches(r, fields) for r in term.get("matchFields") or [])
+            for term in terms
+        ):
+            return False
+    return True
+
+
 def _is_active(pod: Mapping[str, Any]) -> bool:
     return (pod.get("status") or {}).get("phase") not in {"Succeeded", "Failed"}
 
@@ -61,7 +126,7 @@ def workers_that_fit(
 
     total = 0
     for node in nodes:
-        if not node_is_usable(node):
+        if not node_is_usable(node) or not node_admits(template, node):
             continue
         name = (node.get("metadata") or {}).get("name", "")
         status = node.get("status") or {}
