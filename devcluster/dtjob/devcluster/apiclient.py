@@ -60,6 +60,15 @@ class ApiClient:
             for n in nodes
         }
 
+    def delete(self, path: str) -> int:
+        """DELETEs the object at path; returns the HTTP status (404: it was not there)."""
+        request = urllib.request.Request(self.base + path, method="DELETE")
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout, context=self.context) as r:
+                return int(r.status)
+        except urllib.error.HTTPError as e:
+            return e.code
+
 
 def _ready(condition: dict[str, Any], since: float | None) -> bool:
     if condition.get("type") != "Ready" or condition.get("status") != "True":

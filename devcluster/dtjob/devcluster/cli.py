@@ -55,6 +55,20 @@ def parser() -> argparse.ArgumentParser:
         type=_quantity(MEMORY_QUANTITY, "8Gi"),
         help=f"default {defaults.memory_per_node}",
     )
+    up.add_argument(
+        "--fake-nodes",
+        type=int,
+        help="simulated nodes dtjob-kwok-<i> run by KWOK (built on first use, ~7 min): pods that tolerate "
+        "their taint kwok.x-k8s.io/node=fake:NoSchedule go Running without running anything; "
+        "changes the number on a running cluster, 0 removes them (default 0)",
+    )
+    up.add_argument(
+        "--fake-gpus-per-node",
+        type=int,
+        help=f"nvidia.com/gpu per simulated node (default {defaults.fake_gpus_per_node}; "
+        f"cpu {defaults.fake_cpus_per_node}, memory {defaults.fake_memory_per_node}, "
+        f"{defaults.fake_pods_per_node} pods)",
+    )
     sub.add_parser("down", help="stop everything and remove processes, network and mounts")
     sub.add_parser("status", help="show components and nodes; exit 1 unless all are healthy")
     sub.add_parser("env", help='print shell exports: eval "$(dtjob devcluster env)"')
@@ -74,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
                 "gpus_per_node": args.gpus_per_node,
                 "cpus_per_node": args.cpus_per_node,
                 "memory_per_node": args.memory_per_node,
+                "fake_nodes": args.fake_nodes,
+                "fake_gpus_per_node": args.fake_gpus_per_node,
             }
             return cluster.up(layout, requested)
         if args.command == "down":

@@ -13,12 +13,12 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import yaml
 
-from dtjob.devcluster import controlplane, network, nodes, processes
+from dtjob.devcluster import controlplane, kwok, network, nodes, processes
 from dtjob.devcluster.apiclient import ApiClient
 from dtjob.devcluster.binaries import Binaries
 from dtjob.devcluster.errors import DevclusterError
@@ -38,6 +38,12 @@ class ClusterConfig:
     gpus_per_node: int = 2
     cpus_per_node: str = "4"
     memory_per_node: str = "8Gi"
+    # Simulated nodes (KWOK, dtjob.devcluster.kwok): how many, and what each one offers.
+    fake_nodes: int = 0
+    fake_gpus_per_node: int = 8
+    fake_cpus_per_node: str = "64"
+    fake_memory_per_node: str = "512Gi"
+    fake_pods_per_node: int = 110
 
     @property
     def node_names(self) -> list[str]:
@@ -129,8 +135,13 @@ def up(layout: Layout, requested: dict[str, object], timeout: float = COMPONENT_
         saved = load_config(layout)
         running = is_up(layout)
         if running and saved is not None:
+            # Simulated nodes are API objects: their number may change on a running cluster.
             config = saved
-            changed = {k: v for k, v in requested.items() if v is not None and getattr(saved, k) != v}
+            fake_nodes = requested.get("fake_nodes")
+            if isinstance(fake_nodes, int):
+                config = replace(saved, fake_nodes=fake_nodes)
+            shape = {k: v for k, v in requested.items() if k != "fake_nodes"}
+            changed = {k: v for k, v in shape.items() if v is not None and getattr(saved, k) != v}
             if changed:
                 raise DevclusterError(
                     f"a cluster is already up in {layout.root} with {asdict(saved)}; "
@@ -140,10 +151,17 @@ def up(layout: Layout, requested: dict[str, object], timeout: float = COMPONENT_
             config = ClusterConfig(**{k: v for k, v in requested.items() if v is not None})  # type: ignore[arg-type]
         if config.nodes < 0 or config.gpus_per_node < 0:
             raise DevclusterError("--nodes and --gpus-per-node must be >= 0 (--nodes 0: control plane only)")
+        if config.fake_nodes < 0 or config.fake_gpus_per_node < 0:
+            raise DevclusterError("--fake-nodes and --fake-gpus-per-node must be >= 0")
+        if config.fake_nodes:
+            kwok.check_shape(config.nodes)
+            kwok.check_buildable()
 
         binaries.check_buildable()
         check_ports(layout, config)
         binaries.build_missing(layout.log("build"))
+        if config.fake_nodes:
+            kwok.build_missing(layout.log("build"))
         started: list[str] = []
         try:
             _start_missing(layout, binaries, config, running, started, timeout)
@@ -156,7 +174,8 @@ def up(layout: Layout, requested: dict[str, object], timeout: float = COMPONENT_
         print(f"devcluster: up in {layout.root} (started {', '.join(started)})")
     else:
         print(f"devcluster: already up in {layout.root}; nothing changed")
-    print(f'devcluster: {config.nodes} nodes, run: eval "$(dtjob devcluster env)"')
+    simulated = f" and {config.fake_nodes} simulated (KWOK)" if config.fake_nodes else ""
+    print(f'devcluster: {config.nodes} nodes{simulated}, run: eval "$(dtjob devcluster env)"')
     return 0
 
 
@@ -203,6 +222,10 @@ def _start_missing(
             started.append(name)
     _wait_nodes_ready(layout, since, NODES_TIMEOUT)
     _wait_default_service_account(layout, timeout)
+    if config.fake_nodes or kwok.pid(layout) is not None:
+        c = config
+        kwok.ensure(layout, c.fake_nodes, c.fake_gpus_per_node, c.fake_cpus_per_node,
+                    c.fake_memory_per_node, c.fake_pods_per_node, started)  # fmt: skip
 
 
 def _grant_nodelet_rbac(layout: Layout) -> None:
@@ -270,6 +293,7 @@ def down(layout: Layout) -> int:
     anything left: processes, mounts under the state directory. etcd's data goes too."""
     with locked(layout):
         was_up = is_up(layout)
+        kwok.stop(layout)
         names = sorted(p.name for p in layout.nodes.iterdir()) if layout.nodes.is_dir() else []
         for name in names:
             try:
@@ -342,6 +366,10 @@ def status(layout: Layout) -> int:
             name += " (stopped)"
         ok &= good
         print(f"{name:<26}{pid or '-':>8}  {_yes(pid is not None):<6} {_yes(ready.get(name, False))}")
+    if config.fake_nodes:
+        good, lines = kwok.status_lines(layout, config.fake_nodes)
+        ok &= good
+        print("\n".join(lines))
     return 0 if ok else 1
 
 

@@ -39,6 +39,12 @@ TOLERATION_SECONDS = 10
 # renews every few seconds; 20 s still rides out a stall of this loaded 2-core machine.
 NODE_MONITOR_GRACE = "20s"
 NODE_MONITOR_PERIOD = "2s"
+# Client rate limits of the scheduler (upstream 50 requests/s, burst 100) and the controller
+# manager (20/s, burst 30): a 1,024-worker gang is 1,024 bindings, 20 s at the scheduler's default
+# alone, and 500 jobs' EndpointSlices and garbage collection queue behind the manager's. A local
+# test cluster has no other tenant to protect (kwokctl lifts these limits the same way).
+SCHEDULER_QPS, SCHEDULER_BURST = 500, 1000
+CONTROLLER_MANAGER_QPS, CONTROLLER_MANAGER_BURST = 200, 400
 
 
 def ensure_pki(layout: Layout) -> None:
@@ -180,6 +186,8 @@ def command(component: str, layout: Layout, binaries: Binaries) -> list[str]:
             "--allocate-node-cidrs=false",
             f"--node-monitor-period={NODE_MONITOR_PERIOD}",
             f"--node-monitor-grace-period={NODE_MONITOR_GRACE}",
+            f"--kube-api-qps={CONTROLLER_MANAGER_QPS}",
+            f"--kube-api-burst={CONTROLLER_MANAGER_BURST}",
             "--profiling=false",
         ]
     if component == "kube-scheduler":
@@ -192,6 +200,8 @@ def command(component: str, layout: Layout, binaries: Binaries) -> list[str]:
             "--bind-address=127.0.0.1",
             f"--secure-port={SCHEDULER_PORT}",
             "--leader-elect=false",
+            f"--kube-api-qps={SCHEDULER_QPS}",
+            f"--kube-api-burst={SCHEDULER_BURST}",
             "--profiling=false",
         ]
     raise ValueError(f"unknown control-plane component {component!r}")
