@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from dtjob.trainer import collectives as C
-from dtjob.trainer.collectives.comm import Comm
+from dtjob.trainer.collectives.peers import Peers
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64]
 REDUCE_OPS = [dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.MAX, dist.ReduceOp.MIN]
@@ -196,17 +196,17 @@ def matrix(rank: int, n: int, arg: Any) -> dict[str, Any]:
     return check.result()
 
 
-def _as_if_coalescing(self: Comm, device: torch.device) -> bool:
+def _as_if_coalescing(self: Peers, device: torch.device) -> bool:
     return True
 
 
 def stream_ordered(rank: int, n: int, arg: Any) -> dict[str, Any]:
-    """The matrix in float32 and int64 on gloo, with Comm treating the backend as NCCL: every post
+    """The matrix in float32 and int64 on gloo, with Peers treating the backend as NCCL: every post
     goes through batch_isend_irecv and every receive is posted along with its step's sends
-    (Comm.can_prepost is False), the ring's two alternating scratch areas included. Only Comm.post's
+    (Peers.can_prepost is False), the ring's two alternating scratch areas included. Only Peers.post's
     branch for a batch that comes back as a single work (NCCL's) cannot run here: gloo returns one
     work per operation."""
-    Comm._needs_coalescing = _as_if_coalescing  # type: ignore[method-assign]
+    Peers._needs_coalescing = _as_if_coalescing  # type: ignore[method-assign]
     batches = 0
     batch_isend_irecv = dist.batch_isend_irecv
 
@@ -475,17 +475,17 @@ def aliased_output(rank: int, n: int, per_rank: int) -> dict[str, Any]:
 
 
 def trainer_comm_metrics(rank: int, n: int, arg: Any) -> dict[str, Any]:
-    """The trainer's Comm with every algorithm choice, as the strategies call it, and the metric
+    """The trainer's Peers with every algorithm choice, as the strategies call it, and the metric
     labels it reports: the algorithm that ran (auto resolved), sync and async alike."""
     from dtjob.trainer.comm_metrics import instrument_comm
     from dtjob.trainer.metrics import TrainerMetrics
-    from dtjob.trainer.parallel.comm import Comm
+    from dtjob.trainer.parallel.comm import Peers
 
     metrics = TrainerMetrics()
     instrument_comm(metrics)
     labels: dict[str, list[str]] = {}
     for algorithm in ("auto", "direct", "native"):
-        comm = Comm(algorithm)
+        comm = Peers(algorithm)
         small, large = torch.full((8,), float(rank)), torch.full((1 << 20,), float(rank))
         comm.all_reduce_sum(small)
         comm.all_reduce_sum(large, async_op=True).wait()
@@ -504,7 +504,7 @@ def trainer_comm_metrics(rank: int, n: int, arg: Any) -> dict[str, Any]:
         if scattered.tolist() != [float(n)] * 2 or shared.tolist() != [float(n - 1)] * 5:
             raise AssertionError(f"{algorithm}: reduce_scatter {scattered.tolist()}, bcast {shared.tolist()}")
     # The pipeline's point-to-point messages: an async send one way, a blocking one back.
-    comm, peer = Comm("auto"), (rank + 1) % n
+    comm, peer = Peers("auto"), (rank + 1) % n
     outgoing, incoming = torch.full((3,), float(rank)), torch.empty(3)
     if rank % 2 == 0:
         comm.send(outgoing, peer, tag=7, async_op=True).wait()
