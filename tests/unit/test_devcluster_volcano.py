@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+import yaml
 from cryptography import x509
 from cryptography.x509.oid import NameOID
 
@@ -34,7 +35,7 @@ def test_command_lines_carry_the_state_directory_and_the_release_configuration(t
         assert "--leader-elect=false" in argv and "--enable-healthz=true" in argv
         assert all("0.0.0.0" not in a for a in argv)
     assert scheduler[0].endswith("/volcano-v1.15.1/vc-scheduler")
-    assert f"--scheduler-conf={binaries.volcano_dir}/config/volcano-scheduler-ci.conf" in scheduler
+    assert f"--scheduler-conf={tmp_path}/volcano/volcano-scheduler-ci.conf" in scheduler
     assert "--controllers=queue-controller,pg-controller" in controllers
     env = volcano.environment(layout, {"PATH": "/bin"})
     assert env["DEBUG_SOCKET_DIR"].startswith(str(tmp_path))
@@ -73,3 +74,17 @@ def test_build_script_refuses_an_unknown_flag_with_its_usage() -> None:
         ["bash", str(BUILD_SCRIPT), "--volcan"], capture_output=True, text=True, check=False
     )
     assert result.returncode == 2 and "usage:" in result.stderr and "--volcano" in result.stderr
+
+
+def test_scheduler_configuration_is_the_releases_without_enqueue(tmp_path: Path) -> None:
+    release = tmp_path / "cache" / "bin" / "volcano-v1.15.1" / "config"
+    release.mkdir(parents=True)
+    (release / "volcano-scheduler-ci.conf").write_text(
+        'actions: "enqueue, allocate, backfill, reclaim, preempt"\ntiers:\n- plugins:\n  - name: gang\n'
+    )
+    binaries = Binaries("1.37.2", "3.7.3", "3.22.0", tmp_path / "cache", "1.15.1")
+    written = yaml.safe_load(volcano.write_scheduler_conf(Layout(tmp_path), binaries).read_text())
+    assert written == {
+        "actions": "allocate, backfill, reclaim, preempt",
+        "tiers": [{"plugins": [{"name": "gang"}]}],
+    }

@@ -223,7 +223,7 @@ def _start_volcano(layout: Layout, binaries: Binaries, started: list[str], timeo
     the queue controller has opened the default queue (until then the scheduler refuses every
     job in it)."""
     volcano.ensure_pki(layout)
-    layout.volcano_dir.mkdir(parents=True, exist_ok=True)
+    volcano.write_scheduler_conf(layout, binaries)
     volcano.install(layout, binaries, timeout)
     for component in volcano.COMPONENTS:
         pid = component_pid(layout, component)

@@ -45,8 +45,14 @@ COMPONENTS = ("vc-controller-manager", "vc-scheduler")
 CONTROLLERS = "queue-controller,pg-controller"
 # Of the release's two scheduler configurations, the one its own e2e suite runs: it adds the
 # preempt and reclaim actions (priority and queue preemption) to the default one's enqueue,
-# allocate and backfill.
+# allocate and backfill. Without `enqueue`, as Volcano's own preemption e2e tests run it
+# (volcano-sh/volcano#3639; #991: "if users need preempt, enqueue should be disabled"): enqueue
+# admits a PodGroup only while its minResources fit beside what is allocated, so in a full cluster
+# a job of higher priority stays Pending and the preempt action, which skips Pending jobs, never
+# runs for it. allocate then admits PodGroups itself and still enforces queue capabilities; what
+# enqueue adds (no pods before admission) is for Volcano Jobs, and dtjob creates its pods anyway.
 SCHEDULER_CONF = "volcano-scheduler-ci.conf"
+LEFT_OUT_ACTIONS = ("enqueue",)
 # klog verbosity of vc-scheduler: 3 logs each eviction ("Evicting pod ... because of ...") and
 # each gang decision, which is what one reads the log for here.
 SCHEDULER_VERBOSITY = "3"
@@ -179,11 +185,25 @@ def command(component: str, layout: Layout, binaries: Binaries) -> list[str]:
         return [
             str(binaries.volcano_path(component)),
             *common,
-            f"--scheduler-conf={binaries.volcano_dir / 'config' / SCHEDULER_CONF}",
+            f"--scheduler-conf={layout.volcano_dir / SCHEDULER_CONF}",
             f"--cache-dump-dir={layout.volcano_dir}",
             f"-v={SCHEDULER_VERBOSITY}",
         ]
     raise ValueError(f"unknown Volcano component {component!r}")
+
+
+def write_scheduler_conf(layout: Layout, binaries: Binaries) -> Path:
+    """The release's SCHEDULER_CONF without LEFT_OUT_ACTIONS, where vc-scheduler reads it."""
+    source = binaries.volcano_dir / "config" / SCHEDULER_CONF
+    conf = yaml.safe_load(source.read_text())
+    actions = [a.strip() for a in str(conf["actions"]).split(",")]
+    conf["actions"] = ", ".join(a for a in actions if a not in LEFT_OUT_ACTIONS)
+    target = layout.volcano_dir / SCHEDULER_CONF
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(f"# {source} without {', '.join(LEFT_OUT_ACTIONS)} (dtjob.devcluster.volcano)\n")
+    with target.open("a") as out:
+        yaml.safe_dump(conf, out, sort_keys=False)
+    return target
 
 
 def environment(layout: Layout, base: Mapping[str, str]) -> dict[str, str]:
