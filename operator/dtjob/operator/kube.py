@@ -19,6 +19,7 @@ from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
 from dtjob import contract
+from dtjob.operator import gang
 from dtjob.operator.actions import (
     Action,
     ApplyPodGroup,
@@ -242,7 +243,7 @@ class Kube:
                         ns,
                         PODGROUP_PLURAL,
                         name,
-                        {"spec": manifest["spec"]},
+                        gang.spec_patch(manifest),
                     )
                 else:
                     _ignore(409, self.custom.create_namespaced_custom_object,
