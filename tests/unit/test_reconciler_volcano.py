@@ -231,3 +231,32 @@ def test_pod_bound_after_its_node_went_not_ready_is_not_on_a_lost_node() -> None
     pods[3] = _bound(make_pod(3, node="n2"), 40)
     patch = status_patch(run(job, pods, nodes, now=91, podgroup=podgroup()))
     assert condition(patch, "Restarting")["reason"] == "NodeLost"
+
+
+def volcano_queue(
+    state: str = "Open", capability: dict[str, str] | None = None, cpu: str = "0"
+) -> dict[str, Any]:
+    return {
+        "metadata": {"name": "research"},
+        "spec": {"capability": capability} if capability else {},
+        "status": {"state": state, "allocated": {"cpu": cpu}},
+    }
+
+
+def test_waiting_gang_says_when_its_queue_is_full_closed_or_missing() -> None:
+    job = volcano_job(status={**running_status(), "phase": "Pending"})
+    pending = [make_pod(r, phase="Pending", node=None) for r in range(4)]
+    group = podgroup(phase="Inqueue", conditions=[UNSCHEDULABLE])
+
+    def said(**observed: Any) -> str:
+        actions = run(job, pending, two_nodes(), now=10, podgroup=group, **observed)
+        return str(condition(status_patch(actions), volcano.CONDITION)["message"])
+
+    full = said(queue=volcano_queue(capability={"cpu": "6", "memory": "8Gi"}, cpu="4"))
+    assert "Volcano queue research is full (cpu 4 of 6 in use, the gang needs 4)" in full
+    assert "3/4 tasks in gang unschedulable" in full, "Volcano's own reason stays"
+    assert "queue research is Closed" in said(queue=volcano_queue(state="Closed"))
+    assert "queue research does not exist" in said(queue_missing=True)
+    roomy = said(queue=volcano_queue(capability={"cpu": "8"}, cpu="4"))
+    assert "Volcano queue" not in roomy and "3/4 tasks in gang unschedulable" in roomy
+    assert "full" not in said(), "no queue read (an install without the right): nothing claimed"

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any
 
-from dtjob.operator.quantity import parse_quantity
+from dtjob.operator.quantity import format_quantity, parse_quantity
 
 CONDITION = "GangScheduled"
 # PodGroup phases in which the gang is placed.
@@ -29,7 +30,7 @@ DISRUPTION_TARGET = "DisruptionTarget"
 PREEMPTION_REASON = "PreemptionByScheduler"
 
 
-def _quantities(resources: Mapping[str, Any] | None) -> dict[str, Any]:
+def _quantities(resources: Mapping[str, Any] | None) -> dict[str, Decimal]:
     """minResources with parsed quantities ("1500m" and "1.5" are the same cpu)."""
     return {k: parse_quantity(v) for k, v in (resources or {}).items()}
 
@@ -75,7 +76,11 @@ class GangView:
     why: str | None
 
 
-def view(podgroup: Mapping[str, Any]) -> GangView:
+def view(
+    podgroup: Mapping[str, Any], queue: Mapping[str, Any] | None = None, queue_missing: bool = False
+) -> GangView:
+    """What the job says about its gang. `queue` is the PodGroup's Volcano Queue as observed (None
+    when it could not be read; queue_missing when it does not exist)."""
     name = (podgroup.get("metadata") or {}).get("name", "")
     status = podgroup.get("status") or {}
     phase = str(status.get("phase") or "Pending")
@@ -83,16 +88,41 @@ def view(podgroup: Mapping[str, Any]) -> GangView:
     running = int(status.get("running") or 0)
     message = f"Volcano PodGroup {name} is {phase} (minMember {min_member}, {running} running)"
     scheduled = phase in SCHEDULED_PHASES
-    last = last_condition(podgroup)
-    why = None
-    if (
-        not scheduled
-        and last is not None
-        and last.get("type") == UNSCHEDULABLE
-        and last.get("status") == "True"
-    ):
-        why = str(last.get("message") or last.get("reason") or "").strip() or None
-    return GangView(scheduled, phase, f"{message}: {why}" if why else message, why)
+    if scheduled:
+        return GangView(True, phase, message, None)
+    reasons = [queue_reason(podgroup, queue, queue_missing)]
+    last = last_condition(podgroup) or {}
+    if last.get("type") == UNSCHEDULABLE and last.get("status") == "True":
+        reasons.append(str(last.get("message") or last.get("reason") or "").strip() or None)
+    why = "; ".join(r for r in reasons if r) or None
+    return GangView(False, phase, f"{message}: {why}" if why else message, why)
+
+
+def queue_reason(
+    podgroup: Mapping[str, Any], queue: Mapping[str, Any] | None, queue_missing: bool
+) -> str | None:
+    """Why the PodGroup's queue holds it, if it does: the queue is missing, not Open, or its
+    capability has no room for the gang's minResources. vc-scheduler says none of this on any
+    object (only in its log), and without Volcano's admission webhook a PodGroup naming a queue
+    that does not exist is accepted and waits forever."""
+    name = (podgroup.get("spec") or {}).get("queue") or "default"
+    if queue_missing:
+        return f"Volcano queue {name} does not exist"
+    if queue is None:
+        return None
+    state = (queue.get("status") or {}).get("state")
+    if state and state != "Open":
+        return f"Volcano queue {name} is {state}"
+    capability = _quantities((queue.get("spec") or {}).get("capability"))
+    allocated = _quantities((queue.get("status") or {}).get("allocated"))
+    needed = _quantities((podgroup.get("spec") or {}).get("minResources"))
+    short = [
+        f"{r} {format_quantity(allocated.get(r, Decimal(0)))} of {format_quantity(cap)} in use, "
+        f"the gang needs {format_quantity(needed[r])}"
+        for r, cap in sorted(capability.items())
+        if r in needed and allocated.get(r, Decimal(0)) + needed[r] > cap
+    ]
+    return f"Volcano queue {name} is full ({'; '.join(short)})" if short else None
 
 
 def preempted(pod: Mapping[str, Any]) -> str | None:

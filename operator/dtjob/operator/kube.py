@@ -41,6 +41,9 @@ from dtjob.operator.reconciler import Observed, TrainerMetrics, Worker
 log = logging.getLogger("dtjob.operator")
 PODGROUP_GROUP, PODGROUP_VERSION = PODGROUP_API_VERSION.split("/")
 PODGROUP_PLURAL = "podgroups"
+QUEUE_PLURAL = "queues"
+# The queue of a PodGroup that names none (vc-scheduler's --default-queue).
+DEFAULT_QUEUE = "default"
 # Nodes and the pods bound to them change slowly next to a reconcile; one cluster-wide list
 # serves every job reconciled within this many seconds (50 jobs on a 5 s timer would otherwise
 # list every pod of the cluster 10 times a second).
@@ -171,6 +174,7 @@ class Kube:
         # An invalid spec is reported by the reconciler; observing must not trip over it first.
         spec_ok = not view.spec_errors
         podgroup = self._get_podgroup(view) if spec_ok and view.uses_podgroup else None
+        queue, queue_missing = self._get_queue(view) if podgroup is not None else (None, False)
         return Observed(
             job=job,
             pods=pods,
@@ -179,6 +183,8 @@ class Kube:
             node_pods=node_pods,
             service_exists=service_exists,
             podgroup=podgroup,
+            queue=queue,
+            queue_missing=queue_missing,
             metrics=self._scrape_rank0(view, pods) if spec_ok else None,
         )
 
@@ -191,6 +197,22 @@ class Kube:
         except ApiException as e:
             if e.status == 404:
                 return None
+            raise
+
+    def _get_queue(self, job: JobView) -> tuple[dict[str, Any] | None, bool]:
+        """The job's Volcano Queue (cluster-scoped) and whether it is missing. Optional: an install
+        without the right to read queues (403) just says less about a waiting gang."""
+        try:
+            queue = self.custom.get_cluster_custom_object(
+                PODGROUP_GROUP, PODGROUP_VERSION, QUEUE_PLURAL, job.queue or DEFAULT_QUEUE
+            )
+            return cast(dict[str, Any], queue), False
+        except ApiException as e:
+            if e.status == 404:
+                return None, True
+            if e.status == 403:
+                log.debug("%s/%s: may not read Volcano queues: %s", job.namespace, job.name, e.reason)
+                return None, False
             raise
 
     def _scrape_rank0(self, job: JobView, pods: list[dict[str, Any]]) -> TrainerMetrics | None:

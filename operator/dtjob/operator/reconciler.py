@@ -93,6 +93,8 @@ class Observed:
     service_exists: bool = True
     podgroup: Mapping[str, Any] | None = None
     metrics: TrainerMetrics | None = None
+    queue: Mapping[str, Any] | None = None  # the PodGroup's Volcano Queue (None: not readable)
+    queue_missing: bool = False
 
 
 def to_rfc3339(moment: datetime) -> str:
@@ -641,7 +643,7 @@ def _read_gang(p: _Pass) -> None:
     group = p.obs.podgroup
     if not p.job.uses_podgroup or group is None:
         return
-    seen = gang.view(group)
+    seen = gang.view(group, p.obs.queue, p.obs.queue_missing)
     before = p.condition(gang.CONDITION) or {}
     if seen.scheduled and before.get("status") != "True":
         p.event("GangScheduled", seen.message)
