@@ -10,7 +10,7 @@ The state directory lives outside the checkout ($DTJOB_DEVCLUSTER_DIR, default
     logs/<component>.log  stdout+stderr of every process
     pids/<component>.pid  control-plane pids
     nodes/<node>/         each nodelet's kubeconfig, certificates, pid and pod state
-    volcano/              vc-scheduler's cache dumps and log-level socket (`up --volcano`)
+    volcano/              vc-scheduler's configuration, cache dumps and log-level socket (`up --volcano`)
 """
 
 from __future__ import annotations
