@@ -42,6 +42,7 @@ from tests.e2e.volcano_harness import (
     Timeline,
     apply_objects,
     bound,
+    finished_at,
     node_action,
     node_ready,
     podgroup,
@@ -190,13 +191,13 @@ def test_full_queue_holds_its_job_while_the_other_queue_runs(op: Operator) -> No
                 timeout=30,
             )
             print(f"\nqa2 while vq-a is full: {gang_condition(op, 'qa2')['message']}")
-            first_done = wait_phase(op, "qa1", "Succeeded", timeout=240)
+            wait_phase(op, "qa1", "Succeeded", timeout=240)
             done = wait_phase(op, "qa2", "Succeeded", timeout=240)
             wait_phase(op, "qb1", "Succeeded", timeout=240)
         assert done["generation"] == 0 and done["replicas"] == 2, "qa2 ran whole, not shrunk"
         assert timeline.longest_partial_gang("0", 2) <= PARTIAL_GANG_SECONDS, "qa2 started as one gang"
         started = min(r for r in (scheduled_at(p) for p in pods(op, "qa2")) if r)
-        assert started >= first_done["completionTime"], (started, first_done["completionTime"])
+        assert started >= finished_at(pods(op, "qa1")), "qa2 bound only once qa1's workers ended"
     finally:
         for name in ("qa1", "qa2", "qb1"):
             kubectl("delete", "dtj", name, "-n", op.namespace, "--wait=true", "--timeout=60s")
@@ -351,7 +352,7 @@ def test_helm_chart_with_volcano_enabled_runs_queued_jobs_to_succeeded(op: Opera
         starts = {
             n: min(filter(None, (scheduled_at(p) for p in pods(chart_op, n)))) for n in ("first", "second")
         }
-        ends = {"first": first["completionTime"], "second": second["completionTime"]}
+        ends = {n: finished_at(pods(chart_op, n)) for n in ("first", "second")}
         print(f"\nhelm + volcano: bound at {starts}, done at {ends}")
         later, earlier = sorted(starts, key=lambda n: starts[n], reverse=True)
         assert starts[later] >= ends[earlier], f"both ran at once in a queue for one: {starts} {ends}"

@@ -92,6 +92,18 @@ def scheduled_at(pod: dict[str, Any]) -> str | None:
     return None
 
 
+def finished_at(pods: list[dict[str, Any]]) -> str:
+    """When the last of these pods' containers ended (their resources free again)."""
+    ends = [
+        str(c["state"]["terminated"]["finishedAt"])
+        for p in pods
+        for c in p["status"].get("containerStatuses") or []
+        if (c.get("state") or {}).get("terminated")
+    ]
+    assert len(ends) == len(pods), "a pod has not finished"
+    return max(ends)
+
+
 def node_action(action: str, node: str) -> None:
     done = dtjob_devcluster("node", action, node, timeout=300)
     assert done.returncode == 0, done.stderr
