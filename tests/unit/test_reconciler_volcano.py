@@ -148,6 +148,29 @@ def test_waiting_without_a_reason_yet_or_about_to_run_is_not_a_warning() -> None
         assert shown["status"] == "False" and "unschedulable" not in shown["message"]
 
 
+def test_a_completed_podgroup_between_generations_is_neither_placed_nor_news() -> None:
+    # all members of generation 0 exited 75 after a preemption: Volcano calls that Completed
+    job = volcano_job(status={**running_status(), "phase": "Restarting", "generation": 1})
+    job["status"]["conditions"].append(
+        {"type": volcano.CONDITION, "status": "True", "reason": "Running", "message": "placed"}
+    )
+    actions = run(job, [], two_nodes(), podgroup=podgroup(phase="Completed"))
+    shown = condition(status_patch(actions), volcano.CONDITION)
+    assert shown["status"] == "False" and shown["reason"] == "Completed"
+    assert not [e for e in events(actions) if e.reason.startswith("Gang")]
+
+
+def test_the_pass_that_finishes_the_job_keeps_the_gang_view_of_its_run() -> None:
+    job = volcano_job(status=running_status())
+    job["status"]["conditions"].append(
+        {"type": volcano.CONDITION, "status": "True", "reason": "Running", "message": "placed"}
+    )
+    done = [make_pod(r, phase="Succeeded", exit_code=0) for r in range(4)]
+    patch = status_patch(run(job, done, two_nodes(), podgroup=podgroup(phase="Completed")))
+    assert patch["phase"] == "Succeeded"
+    assert condition(patch, volcano.CONDITION)["reason"] == "Running", "not Completed"
+
+
 def test_last_condition_is_the_newest_one() -> None:
     older = {**UNSCHEDULABLE, "message": "old", "lastTransitionTime": "2026-01-01T11:00:00Z"}
     group = podgroup(conditions=[UNSCHEDULABLE, older])

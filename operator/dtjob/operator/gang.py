@@ -18,8 +18,9 @@ from typing import Any
 from dtjob.operator.quantity import format_quantity, parse_quantity
 
 CONDITION = "GangScheduled"
-# PodGroup phases in which the gang is placed.
-SCHEDULED_PHASES = {"Running", "Completed"}
+# The PodGroup phase in which the gang is placed. Completed is not: vc-scheduler reports it once
+# every member has ended, failed ones too, which is also a gang between two generations.
+SCHEDULED_PHASES = {"Running"}
 # The PodGroup condition in which vc-scheduler's gang plugin says why a gang does not fit.
 UNSCHEDULABLE = "Unschedulable"
 # The PodGroup spec fields the operator owns; an observed value that differs is rewritten.

@@ -641,8 +641,8 @@ def _read_gang(p: _Pass) -> None:
     reason) as the job's GangScheduled condition; a Warning event each time the scheduler gives a
     new reason, a Normal one when the gang is placed."""
     group = p.obs.podgroup
-    if not p.job.uses_podgroup or group is None:
-        return
+    if not p.job.uses_podgroup or group is None or p.status.get("phase") in FINISHED:
+        return  # a finished job keeps the view of its last run (Volcano calls it Completed next)
     seen = gang.view(group, p.obs.queue, p.obs.queue_missing)
     before = p.condition(gang.CONDITION) or {}
     if seen.scheduled and before.get("status") != "True":
