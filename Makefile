@@ -8,13 +8,13 @@ STAMP := $(VENV)/.installed
 export DTJOB_CACHE ?= $(HOME)/.cache/dtjob
 PYTEST_ARGS ?=
 
-.PHONY: venv binaries test test-quick lint crds demo bench devcluster-up devcluster-down clean
+.PHONY: venv binaries test test-quick lint crds demo bench gpu-check devcluster-up devcluster-down clean
 
 venv: $(STAMP)
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
 	touch $@
 
 binaries:
@@ -46,6 +46,10 @@ demo: venv binaries
 bench: venv
 	$(PY) bench/collectives.py
 	$(PY) bench/training.py
+
+# On a machine with a GPU (not part of `make test`; CI has none): bench/gpu_check.py's table.
+gpu-check: venv
+	$(PY) bench/gpu_check.py
 
 devcluster-up: venv binaries
 	$(VENV)/bin/dtjob devcluster up

@@ -4,17 +4,20 @@
 
 Pairs (each world size is one spawned gloo process group; the two sides alternate, run after run,
 so load drifts on this shared machine hit both alike):
-  ddp:        dtjob DDP                vs torch.nn.parallel.DistributedDataParallel
-  zero3:      dtjob FSDP ZeRO-3        vs torch FSDP2 (fully_shard per block on a CPU device mesh)
+  ddp:        dtjob data_parallel      vs torch.nn.parallel.DistributedDataParallel
+  zero3:      dtjob fully_shard ZeRO-3 vs torch FSDP2 (fully_shard per unit on a CPU device mesh)
   pp-gpipe:   dtjob pipeline, GPipe    vs torch.distributed.pipelining ScheduleGPipe
   pp-1f1b:    dtjob pipeline, 1F1B     vs torch.distributed.pipelining Schedule1F1B
+Both sides of ddp and zero3 run the same user loop (forward, loss, backward, optimizer.step) on
+the wrapped module. --model hf-gpt2 runs those two pairs on a transformers GPT-2 of the same size
+(its head tied to its embedding), with the loss line `model(input_ids=x, labels=x).loss`.
 Pipelines use P = world size stages. Reports samples/s (median over runs) and their ratio, the
 model-state bytes (parameters + gradients + optimizer state) each rank holds between steps, and
 dtjob's measured pipeline bubble: 1 - (time in forward/backward compute) / (step time), per stage,
 next to the ideal (P-1)/(M+P-1). On 2 shared cores, P processes cannot compute concurrently, so
 the measured bubble is an upper bound dominated by time-slicing, not by the schedule alone.
 
-Writes bench/results/training.json and bench/results/training.png.
+Writes bench/results/training[-hf-gpt2].json and .png.
 """
 
 from __future__ import annotations
@@ -45,8 +48,17 @@ GLOBAL_BATCH = 16
 MICROBATCHES = 4
 
 
-def _model() -> GPT:
+def _model(name: str = "gpt") -> nn.Module:
     torch.manual_seed(0)
+    if name == "hf-gpt2":
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        config = transformers.GPT2Config(
+            vocab_size=MODEL["vocab"], n_positions=MODEL["seq_len"], n_embd=MODEL["width"],
+            n_layer=MODEL["depth"], n_head=MODEL["heads"], bos_token_id=0, eos_token_id=0,
+        )  # fmt: skip
+        return transformers.GPT2LMHeadModel(config)
     return GPT(GPTConfig(**MODEL))
 
 
@@ -94,77 +106,84 @@ class Runner:
     bubble: Callable[[], float | None] = _no_bubble
 
 
-def dtjob_runner(kind: str, collective: str) -> Runner:
-    from dtjob.trainer.parallel import ParallelConfig, parallelize
+def dtjob_runner(kind: str, collective: str, model_name: str) -> Runner:
+    """dtjob's wrapper, trained in the same user loop as torch's side."""
+    from dtjob.trainer.parallel import data_parallel, fully_shard, pipeline
 
     world = dist.get_world_size()
-    config = {
-        "ddp": ParallelConfig(strategy="ddp", collective=collective),
-        "zero3": ParallelConfig(strategy="fsdp", zero_stage=3, collective=collective),
-        "pp-gpipe": ParallelConfig(
-            strategy="pipeline",
-            pipeline_stages=world,
+    model = _model(model_name)
+    if kind.startswith("pp"):
+        schedule = "gpipe" if kind == "pp-gpipe" else "1f1b"
+        pipe = pipeline(
+            model,
+            stages=world,
             microbatches=MICROBATCHES,
-            schedule="gpipe",
+            schedule=schedule,
             collective=collective,
-        ),
-        "pp-1f1b": ParallelConfig(
-            strategy="pipeline",
-            pipeline_stages=world,
-            microbatches=MICROBATCHES,
-            schedule="1f1b",
-            collective=collective,
-        ),
-    }[kind]
-    strategy: Any = parallelize(_model(), config, _optimizer)
-    rows = GLOBAL_BATCH // strategy.data_parallel_size
+            loss_fn=_loss,
+        )
+        optimizer = _optimizer(pipe.parameters())
+
+        def pp_step(s: int) -> None:
+            pipe.step(*_batch(s, GLOBAL_BATCH, 0))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+
+        def bubble() -> float | None:
+            return 1.0 - pipe.last_step_busy_s / pipe.last_step_total_s
+
+        return Runner(pp_step, lambda: _state_bytes(list(pipe.parameters()), optimizer), bubble)
+    wrapped = (
+        data_parallel(model, collective=collective)
+        if kind == "ddp"
+        else fully_shard(model, collective=collective)
+    )
+    return _loop_runner(wrapped, model_name)
+
+
+def _loop_runner(wrapped: nn.Module, model_name: str) -> Runner:
+    """The user's loop both sides run: forward, loss, backward, optimizer step."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    optimizer = _optimizer(wrapped.parameters())
+    rows = GLOBAL_BATCH // world
 
     def step(s: int) -> None:
-        strategy.train_step(*_batch(s, rows, strategy.data_parallel_rank * rows))
+        x, y = _batch(s, rows, rank * rows)
+        optimizer.zero_grad(set_to_none=False)
+        if model_name == "hf-gpt2":
+            wrapped(input_ids=x, labels=x).loss.backward()
+        else:
+            _loss(wrapped(x), y).backward()
+        optimizer.step()
 
-    def bubble() -> float | None:
-        if not kind.startswith("pp"):
-            return None
-        return 1.0 - strategy.last_step_busy_s / strategy.last_step_total_s
-
-    return Runner(step, lambda: sum(strategy.model_state_bytes().values()), bubble)
+    return Runner(step, lambda: _state_bytes(list(wrapped.parameters()), optimizer))
 
 
-def torch_runner(kind: str) -> Runner:
+def torch_runner(kind: str, model_name: str) -> Runner:
     world, rank = dist.get_world_size(), dist.get_rank()
-    model = _model()
+    model = _model(model_name)
     if kind in ("ddp", "zero3"):
         if kind == "ddp":
-            wrapped: nn.Module = nn.parallel.DistributedDataParallel(model)
-        else:
-            from torch.distributed.device_mesh import init_device_mesh
-            from torch.distributed.fsdp import fully_shard
+            return _loop_runner(nn.parallel.DistributedDataParallel(model), model_name)
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
 
-            mesh = init_device_mesh("cpu", (world,))
-            for block in model.blocks_in_order():
-                fully_shard(block, mesh=mesh)
-            fully_shard(model, mesh=mesh)
-            wrapped = model
-        optimizer = _optimizer(wrapped.parameters())
-        rows = GLOBAL_BATCH // world
+        from dtjob.trainer.parallel.fsdp import auto_units
 
-        def step(s: int) -> None:
-            x, y = _batch(s, rows, rank * rows)
-            optimizer.zero_grad(set_to_none=False)
-            _loss(wrapped(x), y).backward()
-            optimizer.step()
-
-        return Runner(step, lambda: _state_bytes(list(wrapped.parameters()), optimizer))
+        mesh = init_device_mesh("cpu", (world,))
+        for block in auto_units(model):  # the same units dtjob picks
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return _loop_runner(model, model_name)
 
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    from dtjob.trainer.parallel.pipeline import split_stages
-    from dtjob.trainer.parallel.pipeline.strategy import Stage
+    from dtjob.trainer.parallel.pp import split_stages
 
-    blocks = model.blocks_in_order()
+    blocks = list(model.blocks_in_order())  # type: ignore[operator]
     costs = [sum(p.numel() for p in b.parameters()) for b in blocks]
     lo, hi = split_stages(len(blocks), world, costs)[rank]  # the same split dtjob uses
-    stage_module = Stage(blocks[lo:hi])
+    stage_module = nn.Sequential(*blocks[lo:hi])
     stage = PipelineStage(stage_module, rank, world, torch.device("cpu"))
     schedule_class = ScheduleGPipe if kind == "pp-gpipe" else Schedule1F1B
     schedule = schedule_class(stage, n_microbatches=MICROBATCHES, loss_fn=_loss)
@@ -197,8 +216,12 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     results: dict[str, Any] = {}
-    for kind in ("ddp", "zero3", "pp-gpipe", "pp-1f1b"):
-        sides = {"dtjob": dtjob_runner(kind, args.collective), "torch": torch_runner(kind)}
+    kinds = ("ddp", "zero3", "pp-gpipe", "pp-1f1b") if args.model == "gpt" else ("ddp", "zero3")
+    for kind in kinds:
+        sides = {
+            "dtjob": dtjob_runner(kind, args.collective, args.model),
+            "torch": torch_runner(kind, args.model),
+        }
         for runner in sides.values():  # warm-up: first-step allocations, lazy optimizer state
             _timed(runner, 0, 2)
         seconds: dict[str, list[float]] = {name: [] for name in sides}
@@ -287,10 +310,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per side (median reported)")
     parser.add_argument("--steps", type=int, default=5, help="optimizer steps per timed run")
     parser.add_argument("--collective", default="auto", choices=("auto", "ring", "hd", "native"))
-    parser.add_argument("--out", type=Path, default=RESULTS / "training.json")
+    parser.add_argument(
+        "--model",
+        default="gpt",
+        choices=("gpt", "hf-gpt2"),
+        help="dtjob's GPT (every pair) or a transformers GPT-2 of the same size (ddp and zero3 pairs)",
+    )
+    parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
+    if args.out is None:
+        args.out = RESULTS / ("training.json" if args.model == "gpt" else f"training-{args.model}.json")
     report: dict[str, Any] = {
-        "model": MODEL,
+        "model": {"name": args.model, **MODEL},
         "global_batch": GLOBAL_BATCH,
         "microbatches": MICROBATCHES,
         "collective": args.collective,

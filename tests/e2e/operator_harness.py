@@ -227,8 +227,9 @@ def wait_step(op: Operator, name: str, step: int, timeout: float = 150.0) -> Non
              timeout=timeout, interval=0.5)  # fmt: skip
 
 
-def trainer_pids(op: Operator, name: str, rank: int) -> list[int]:
-    """Host pids of a worker's trainer processes (pods are local processes on the devcluster)."""
+def trainer_pids(op: Operator, name: str, rank: int, program: bytes = b"dtjob.trainer") -> list[int]:
+    """Host pids of a worker's trainer processes (pods are local processes on the devcluster):
+    those whose command line names `program` and whose environment says RANK=rank."""
     wanted = {f"DTJOB_JOB_NAME={name}", f"DTJOB_NAMESPACE={op.namespace}", f"RANK={rank}"}
     found = []
     for proc in Path("/proc").iterdir():
@@ -239,14 +240,14 @@ def trainer_pids(op: Operator, name: str, rank: int) -> list[int]:
             cmdline = (proc / "cmdline").read_bytes()
         except OSError:
             continue
-        if wanted <= env and b"dtjob.trainer" in cmdline:
+        if wanted <= env and program in cmdline and b"dtjob.launcher" not in cmdline:
             found.append(int(proc.name))
     return found
 
 
-def sigkill_worker(op: Operator, name: str, rank: int) -> float:
-    """SIGKILL the trainer of one worker; returns the time.time() of the kill."""
-    pids = trainer_pids(op, name, rank)
+def sigkill_worker(op: Operator, name: str, rank: int, program: bytes = b"dtjob.trainer") -> float:
+    """SIGKILL the trainer process of global rank `rank`; returns the time.time() of the kill."""
+    pids = trainer_pids(op, name, rank, program)
     if not pids:
         pytest.fail(f"no trainer process of {name} rank {rank} found on this machine")
     killed_at = time.time()

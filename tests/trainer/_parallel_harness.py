@@ -1,16 +1,21 @@
-"""Run parallel-strategy cases in real multi-process gloo groups and compare with one process.
+"""Run wrapper cases in real multi-process gloo groups and compare with one process.
 
 Spawning a process group costs seconds on this machine, so each `run_world(world_size, cases)`
 spawns the group once and runs many cases in it. A case is a plain dict (picklable):
 
-    name, model ("gpt" | "mlp"), config (ParallelConfig kwargs), steps, batch (global batch size),
-    optimizer ("adamw" | "sgd"), lr, grad_clip, measure ("memory" | "activations" | None),
+    name, model ("gpt" | "mlp"), config (see `wrap`), steps, batch (global batch size),
+    optimizer ("adamw" | "sgd"), lr, measure ("memory" | None),
     tie (mlp only: its two hidden layers share one weight, a parameter tied across blocks)
 
-Every rank returns, per case: the loss of each step, the model shards it reports through
-`state_shards()` (so the final parameters are assembled from what a checkpoint would write) and
-any measurement. `reference(case)` trains the same model on the same global batches in this
-process.
+config: strategy ("ddp" | "fsdp" | "pipeline") and the wrappers' options (zero_stage, collective,
+ddp_bucket_mb, ddp_first_bucket_mb, grad_compression, precision, zero3_prefetch, pipeline_stages,
+microbatches, schedule), plus what the training loop does: grad_accum (no_sync micro-steps),
+grad_clip (torch.nn.utils.clip_grad_norm_), activation_checkpointing.
+
+Every rank trains in an ordinary user loop (forward, backward, clip, optimizer.step, zero_grad)
+and returns, per case: the loss of each step, the model shards a checkpoint would write
+(`TrainState.state_shards()`, so the final parameters are assembled from them) and any
+measurement. `reference(case)` trains the same model on the same global batches in this process.
 """
 
 from __future__ import annotations
@@ -34,8 +39,36 @@ GPT_SMALL = {"vocab": 32, "width": 16, "depth": 2, "heads": 2, "seq_len": 8}
 MLP_SMALL = {"inputs": 12, "hidden": 24, "classes": 6, "depth": 4}
 
 
+# Tiny random-init Hugging Face models, unmodified (dropout off, so one process is deterministic).
+HF_VOCAB, HF_SEQ = 96, 16
+
+
+def hf_model(kind: str) -> nn.Module:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    if kind == "hf-gpt2":  # its head is tied to the token embedding
+        config = transformers.GPT2Config(
+            vocab_size=HF_VOCAB, n_positions=HF_SEQ, n_embd=32, n_layer=3, n_head=2,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+        )  # fmt: skip
+        return transformers.GPT2LMHeadModel(config)
+    config = transformers.LlamaConfig(
+        vocab_size=HF_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=HF_SEQ,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config)
+
+
+def is_hf(case: dict[str, Any]) -> bool:
+    return str(case.get("model", "")).startswith("hf-")
+
+
 def build_model(case: dict[str, Any]) -> nn.Module:
     torch.manual_seed(case.get("seed", 0))
+    if is_hf(case):
+        return hf_model(case["model"])
     if case.get("model", "gpt") == "gpt":
         return GPT(GPTConfig(**{**GPT_SMALL, **case.get("model_kwargs", {})}))
     mlp = MLP(MLPConfig(**{**MLP_SMALL, **case.get("model_kwargs", {})}))
@@ -45,19 +78,38 @@ def build_model(case: dict[str, Any]) -> nn.Module:
     return mlp
 
 
-def make_optimizer(case: dict[str, Any], params: list[nn.Parameter]) -> torch.optim.Optimizer:
+def make_optimizer(
+    case: dict[str, Any], named: list[tuple[str, nn.Parameter]], dims: dict[str, int]
+) -> torch.optim.Optimizer:
+    """As a user writes it: AdamW with no weight decay on biases and norms (chosen by name and the
+    unwrapped parameter's dimensions), or SGD."""
+    params = [p for _, p in named]
     if case.get("optimizer", "adamw") == "sgd":
         return torch.optim.SGD(params, lr=case.get("lr", 0.1), momentum=0.9)
+    decay = [p for n, p in named if dims[n] >= 2]
+    no_decay = [p for n, p in named if dims[n] < 2]
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
     # eps=1e-5, not 1e-8: the attention's key bias has an analytically zero gradient, and with a
     # tiny eps Adam turns its rounding noise (which depends on summation order) into full-size
     # steps; even one process splitting its batch differently then drifts 1e-4 from itself.
-    return torch.optim.AdamW(params, lr=case.get("lr", 1e-2), weight_decay=0.01, eps=1e-5)
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=case.get("lr", 1e-2), eps=1e-5)
+
+
+def loss_of(model: Any, x: torch.Tensor, y: torch.Tensor, case: dict[str, Any]) -> torch.Tensor:
+    """The user's loss line: a Hugging Face model computes its own from labels."""
+    if is_hf(case):
+        loss: torch.Tensor = model(input_ids=x, labels=y).loss
+        return loss
+    return cross_entropy_loss(model(x), y)
 
 
 def global_batch(case: dict[str, Any], step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The samples of global step `step`, the same whatever the world size."""
     g = torch.Generator().manual_seed(1000 + step)
     n = case.get("batch", 24)
+    if is_hf(case):  # labels are the inputs: the model shifts them itself
+        tokens = torch.randint(0, HF_VOCAB, (n, HF_SEQ), generator=g)
+        return tokens, tokens
     if case.get("model", "gpt") == "gpt":
         cfg = {**GPT_SMALL, **case.get("model_kwargs", {})}
         tokens = torch.randint(0, cfg["vocab"], (n, cfg["seq_len"] + 1), generator=g)
@@ -82,16 +134,15 @@ _REFERENCES: dict[str, tuple[list[float], dict[str, torch.Tensor]]] = {}
 
 
 def _train_reference(case: dict[str, Any]) -> tuple[list[float], dict[str, torch.Tensor]]:
-    from dtjob.trainer.parallel.common import cross_entropy_loss
-
     model = build_model(case)
-    opt = make_optimizer(case, list(model.parameters()))
+    named = list(model.named_parameters())
+    opt = make_optimizer(case, named, {n: p.dim() for n, p in named})
     clip = case.get("config", {}).get("grad_clip")
     losses = []
     for step in range(case.get("steps", 10)):
         x, y = global_batch(case, step)
         opt.zero_grad()
-        loss = cross_entropy_loss(model(x), y)
+        loss = loss_of(model, x, y, case)
         loss.backward()
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
@@ -115,10 +166,10 @@ def live_tensor_bytes() -> int:
     return total
 
 
-def _shards_to_plain(strategy: Any, prefix: str = "") -> dict[str, tuple[Any, int, torch.Tensor]]:
+def _shards_to_plain(state: Any, prefix: str = "") -> dict[str, tuple[Any, int, torch.Tensor]]:
     return {
         k: (s.global_shape, s.offset, s.local.detach().clone())
-        for k, s in strategy.state_shards().items()
+        for k, s in state.state_shards().items()
         if k.startswith(prefix)
     }
 
@@ -152,7 +203,7 @@ def _wait_for(path: str, timeout: float = 600) -> None:
         time.sleep(0.2)
 
 
-def _load_checkpoint(strategy: Any, directory: str) -> None:
+def _load_checkpoint(state: Any, directory: str) -> None:
     files = sorted(f for f in os.listdir(directory) if f.startswith("rank"))
     assert files, f"no checkpoint files in {directory}"
     saved = [torch.load(os.path.join(directory, f)) for f in files]
@@ -161,59 +212,134 @@ def _load_checkpoint(strategy: Any, directory: str) -> None:
     def fetch(key: str, start: int, length: int) -> torch.Tensor:
         return flat[key][start : start + length].clone()
 
-    strategy.load_state_shards(fetch, saved[0]["extra"])
+    state.load(fetch, saved[0]["extra"], {})
+
+
+def wrap(model: nn.Module, config: dict[str, Any], hf: bool = False) -> nn.Module:
+    """The case's wrapper around `model`, as a user would build it."""
+    from dtjob.trainer.parallel import common, data_parallel, fully_shard, pipeline
+
+    precision = None if config.get("precision", "fp32") == "fp32" else config["precision"]
+    collective = config.get("collective", "auto")
+    if config.get("activation_checkpointing"):
+        common.apply_activation_checkpointing(common.blocks_in_order(model) or [])
+    strategy = config.get("strategy", "ddp")
+    if strategy == "ddp":
+        return data_parallel(
+            model,
+            collective=collective,
+            bucket_mb=config.get("ddp_bucket_mb", 25.0),
+            first_bucket_mb=config.get("ddp_first_bucket_mb", 1.0),
+            grad_compression=config.get("grad_compression", "none"),
+            mixed_precision=precision,
+        )
+    if strategy == "fsdp":
+        return fully_shard(
+            model,
+            zero_stage=config.get("zero_stage", 3),
+            units=config.get("units"),
+            collective=collective,
+            mixed_precision=precision,
+            prefetch=config.get("zero3_prefetch", True),
+        )
+    return pipeline(
+        model,
+        stages=config.get("pipeline_stages", 2),
+        microbatches=config.get("microbatches", 4),
+        schedule=config.get("schedule", "1f1b"),
+        split=config.get("split"),
+        collective=collective,
+        mixed_precision=precision,
+        loss_fn=None if hf else cross_entropy_loss,  # a Hugging Face output carries its .loss
+    )
+
+
+def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1)
+    )
+
+
+def _train_step(
+    wrapped: Any, optimizer: Any, x: torch.Tensor, y: torch.Tensor, case: dict[str, Any]
+) -> float:
+    """One step of the user's own loop; returns the global mean loss."""
+    import contextlib
+
+    config = case.get("config", {})
+    if config.get("strategy") == "pipeline":
+        loss = float(wrapped.step({"input_ids": x, "labels": y}) if is_hf(case) else wrapped.step(x, y))
+    else:
+        parts = config.get("grad_accum", 1)
+        local = torch.zeros((), dtype=torch.float64)
+        chunks = list(zip(x.chunk(parts), y.chunk(parts), strict=True))
+        for i, (xi, yi) in enumerate(chunks):
+            with wrapped.no_sync() if i < len(chunks) - 1 else contextlib.nullcontext():
+                part = loss_of(wrapped, xi, yi, case) / parts
+                part.backward()
+            local += part.detach().double()
+        dist.all_reduce(local)
+        loss = float(local) / dist.get_world_size()
+    if config.get("grad_clip"):
+        torch.nn.utils.clip_grad_norm_(wrapped.parameters(), config["grad_clip"])
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
 
 
 def _run_case(case: dict[str, Any]) -> dict[str, Any]:
-    from dtjob.trainer.parallel import ParallelConfig, parallelize
+    from dtjob.trainer.train_state import TrainState
 
     started = time.perf_counter()
     baseline = live_tensor_bytes() if case.get("measure") == "memory" else 0
     model = build_model(case)
     n_params = sum(p.numel() for p in model.parameters())
-    config = ParallelConfig(**case.get("config", {}))
-    strategy = parallelize(model, config, lambda params: make_optimizer(case, params))
+    dims = {n: p.dim() for n, p in model.named_parameters()}
+    config = case.get("config", {})
+    wrapped = wrap(model, config, hf=is_hf(case))
     del model
+    optimizer = make_optimizer(case, list(wrapped.named_parameters()), dims)
+    state = TrainState(wrapped, optimizer)
     if case.get("load_from"):
         _wait_for(os.path.join(case["load_from"], "COMPLETE"))
-        _load_checkpoint(strategy, case["load_from"])
-    extras = [strategy.extra_state()] if case.get("load_from") else []
+        _load_checkpoint(state, case["load_from"])
+    extras = [state.extra_state()] if case.get("load_from") else []
     losses = []
     memory: list[int] = []
+    replicas = getattr(wrapped, "data_parallel_size", dist.get_world_size())
+    replica = getattr(wrapped, "data_parallel_rank", dist.get_rank())
     for step in range(case.get("start_step", 0), case.get("steps", 10)):
         x, y = global_batch(case, step)
-        rows = x.shape[0] // strategy.data_parallel_size
-        lo = strategy.data_parallel_rank * rows
-        losses.append(strategy.train_step(x[lo : lo + rows], y[lo : lo + rows]))
+        rows = x.shape[0] // replicas
+        lo = replica * rows
+        losses.append(_train_step(wrapped, optimizer, x[lo : lo + rows], y[lo : lo + rows], case))
         del x, y
         if case.get("measure") == "memory":
             memory.append(live_tensor_bytes() - baseline)
     if case.get("save_to"):
         os.makedirs(case["save_to"], exist_ok=True)
-        saved = {"shards": _shards_to_plain(strategy), "extra": strategy.extra_state()}
+        saved = {"shards": _shards_to_plain(state), "extra": state.extra_state()}
         torch.save(saved, os.path.join(case["save_to"], f"rank{dist.get_rank()}.pt"))
         dist.barrier()
         if dist.get_rank() == 0:  # another world may be waiting to resume from it
             open(os.path.join(case["save_to"], "COMPLETE"), "w").close()
-    extras.append(strategy.extra_state())
+    extras.append(state.extra_state())
     result: dict[str, Any] = {
         "losses": losses,
-        "shards": _shards_to_plain(strategy, "model."),
+        "shards": _shards_to_plain(state, "model."),
         "extras": extras,
         "n_params": n_params,
         "memory": memory,
         "seconds": time.perf_counter() - started,
     }
-    from dtjob.trainer.parallel.ddp import DDPStrategy
+    from dtjob.trainer.parallel import DataParallel, FullyShardedModule
 
-    if isinstance(strategy, DDPStrategy):
-        launches = (len(strategy.buckets), strategy.launched_in_backward, strategy.launched_after_backward)
+    if isinstance(wrapped, DataParallel):
+        launches = (len(wrapped.buckets), wrapped.launched_in_backward, wrapped.launched_after_backward)
         result["ddp_launches"] = launches
-    from dtjob.trainer.parallel.fsdp import FSDPStrategy
-
-    if isinstance(strategy, FSDPStrategy):
-        result["peak_gathered_units"] = (strategy.peak_gathered_units, len(strategy.units))
-    peak = getattr(strategy, "peak_live_microbatches", None)
+    if isinstance(wrapped, FullyShardedModule):
+        result["peak_gathered_units"] = (wrapped.peak_gathered_units, len(wrapped.units))
+    peak = getattr(wrapped, "peak_live_microbatches", None)
     if peak is not None:
         result["peak_live_microbatches"] = peak
     return result
@@ -249,7 +375,7 @@ class World:
         # again (seconds per process on two loaded cores). The server never runs torch ops, so
         # no thread pools exist to be broken by fork.
         multiprocessing.get_context("forkserver").set_forkserver_preload(
-            ["torch", "torch.distributed", "dtjob.trainer.parallel", __name__]
+            ["torch", "torch.distributed", "dtjob.trainer.parallel", "dtjob.trainer.train_state", __name__]
         )
         self._ctx = mp.start_processes(
             _worker,
@@ -292,7 +418,11 @@ def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def check_against_reference(
-    rank_results: list[dict[str, Any]], case: dict[str, Any], tolerance: float = 1e-5, per_tensor: bool = True
+    rank_results: list[dict[str, Any]],
+    case: dict[str, Any],
+    tolerance: float = 1e-5,
+    per_tensor: bool = True,
+    param_tolerance: float | None = None,
 ) -> None:
     """Losses of every step and final parameters within `tolerance` (relative) of one process.
 
@@ -320,4 +450,4 @@ def check_against_reference(
         return
     for n, ref in ref_params.items():
         diff = relative_difference(params[n], ref)
-        assert diff < tolerance, f"{name}: parameter {n} relative difference {diff:.2e}"
+        assert diff < (param_tolerance or tolerance), f"{name}: parameter {n} relative difference {diff:.2e}"

@@ -113,10 +113,13 @@ def launch(
     name: str,
     generations: list[int] | None = None,
     env: dict[str, str] | None = None,
+    command: list[str] | None = None,
 ) -> Gang:
     """Start `world_size` trainer processes; rank 0 writes its JSON lines to workdir/<name>.jsonl.
 
     generations: each rank's DTJOB_GENERATION (default 0 for all).
+    command: what each process runs after the interpreter (default: -m dtjob.trainer); it must
+        take --log-file.
     """
     logs = workdir / f"{name}-logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -136,7 +139,13 @@ def launch(
         with (logs / f"rank{rank}.out").open("wb") as out, (logs / f"rank{rank}.err").open("wb") as err:
             procs.append(
                 subprocess.Popen(
-                    [sys.executable, "-m", "dtjob.trainer", *args, "--log-file", str(log_file)],
+                    [
+                        sys.executable,
+                        *(command or ["-m", "dtjob.trainer"]),
+                        *args,
+                        "--log-file",
+                        str(log_file),
+                    ],
                     env=rank_env,
                     stdout=out,
                     stderr=err,
@@ -147,10 +156,15 @@ def launch(
 
 
 def run(
-    world_size: int, args: list[str], workdir: Path, name: str, env: dict[str, str] | None = None
+    world_size: int,
+    args: list[str],
+    workdir: Path,
+    name: str,
+    env: dict[str, str] | None = None,
+    command: list[str] | None = None,
 ) -> Gang:
     """Launch and wait; fail with every rank's stderr unless all exit 0."""
-    gang = launch(world_size, args, workdir, name, env=env)
+    gang = launch(world_size, args, workdir, name, env=env, command=command)
     codes = gang.wait()
     assert codes == [0] * world_size, f"exit codes {codes}\n{gang.stderr()}"
     return gang

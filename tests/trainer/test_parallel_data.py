@@ -1,4 +1,5 @@
-"""DDP and ZeRO-1/2/3 in real gloo groups of 2, 3 and 4 ranks, against single-process training.
+"""data_parallel and fully_shard (ZeRO-1/2/3) in real gloo groups of 2, 3 and 4 ranks, trained in
+an ordinary user loop, against single-process training.
 
 One process group per world size runs every case (spawning costs seconds here; see
 _parallel_cases.py); each test checks one case: the loss of every step and the final parameters
@@ -38,10 +39,11 @@ def test_lossy_options_stay_close(name: str) -> None:
 def _memory_formula(name: str, n_params: int, world: int) -> int:
     """Bytes per rank by the ZeRO paper's accounting, for fp32 weights and Adam (two states):
     parameters 4 bytes, gradients 4, optimizer state 8 per parameter, each divided by N where
-    sharded. DDP 16, ZeRO-1 4 + 4 + 8/N, ZeRO-2 4 + (4 + 8)/N, ZeRO-3 16/N."""
+    sharded. DDP 16, ZeRO-1 4 + 4 + (4 + 8)/N (the full gradients it accumulates into, and the
+    reduced shard the optimizer reads), ZeRO-2 4 + (4 + 8)/N, ZeRO-3 16/N."""
     per_param = {
         "mem-ddp": 16,
-        "mem-zero1": 4 + 4 + 8 / world,
+        "mem-zero1": 4 + 4 + 12 / world,
         "mem-zero2": 4 + (4 + 8) / world,
         "mem-zero3": 16 / world,
     }[name]
@@ -93,13 +95,6 @@ def test_zero3_holds_at_most_the_current_and_the_prefetched_block(name: str, pea
 def test_extra_state_is_identical_on_every_rank() -> None:
     for name in ("ddp-native", "zero3-native", "zero1-accum-clip"):
         extras = [r[name]["extras"][-1] for r in pc.results(3)]
-        assert extras[0]["optim"]["tensor_states"] == ["exp_avg", "exp_avg_sq"]
+        assert extras[0]["tensor_states"] == ["exp_avg", "exp_avg_sq"]
+        assert extras[0]["common"]["step"]["tensor"] == 10.0  # Adam's step count, stored once
         assert all(e == extras[0] for e in extras), name
-
-
-def test_zero3_rejects_a_weight_tied_across_blocks_naming_it() -> None:
-    results = h.run_world(2, [pc.TIED_REJECTED["zero3"]])
-    for rank, result in enumerate(results):
-        error = result["tied-zero3"].get("error", "")
-        for words in ("ValueError", "'layers.1.0.weight' is used by blocks 1 and 2", "zero_stage=1 or 2"):
-            assert words in error, (rank, words, error)

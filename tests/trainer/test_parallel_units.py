@@ -1,18 +1,26 @@
-"""Pure pieces of the parallel strategies: schedules, stage split, buckets, config validation."""
+"""Pure pieces of the wrappers: schedules, stage split and ownership, buckets, unit choice, and
+the errors of misuse (in a one-process gloo group where a process group is needed)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from datetime import timedelta
+
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from dtjob.trainer.models import GPT, MLP, GPTConfig, MLPConfig
-from dtjob.trainer.parallel import ParallelConfig, parallelize
+from dtjob.trainer.parallel import data_parallel, fully_shard, pipeline
 from dtjob.trainer.parallel.comm import Comm
-from dtjob.trainer.parallel.common import blocks_in_order, parameter_shared_across, split_batch, split_range
+from dtjob.trainer.parallel.common import blocks_in_order, repeated_blocks
 from dtjob.trainer.parallel.ddp import assign_buckets
 from dtjob.trainer.parallel.ddp.buckets import MiB
-from dtjob.trainer.parallel.pipeline import Action, schedule_actions, split_stages
+from dtjob.trainer.parallel.fsdp import auto_units
+from dtjob.trainer.parallel.pp import Action, auto_split, schedule_actions, split_stages
+from dtjob.trainer.parallel.pp.split import plan
+from dtjob.trainer.parallel.shards import split_range
 
 
 def _peak_in_flight(actions: list[Action]) -> int:
@@ -63,8 +71,10 @@ def test_buckets_first_small_then_capped_in_given_order() -> None:
     groups = assign_buckets(params, 1 * MiB, 4 * MiB)
     assert [[p.numel() for p in g] for g in groups] == [[100_000], [200_000, 50_000], [3_000_000], [10]]
     assert [p for g in groups for p in g] == params
-    with pytest.raises(ValueError, match="ddp_first_bucket_mb"):
+    with pytest.raises(ValueError, match="first_bucket_mb"):
         assign_buckets(params, 0, MiB)
+    mixed = [nn.Parameter(torch.zeros(4)), nn.Parameter(torch.zeros(4, dtype=torch.float64))]
+    assert len(assign_buckets(mixed, MiB, MiB)) == 2  # one dtype per bucket
 
 
 def test_split_range_covers_every_element_once() -> None:
@@ -75,13 +85,6 @@ def test_split_range_covers_every_element_once() -> None:
             assert covered == list(range(numel))
 
 
-def test_split_batch_names_the_field_when_uneven() -> None:
-    x, y = torch.zeros(6, 3), torch.zeros(6)
-    assert len(split_batch(x, y, 3, "microbatches")) == 3
-    with pytest.raises(ValueError, match="microbatches=4"):
-        split_batch(x, y, 4, "microbatches")
-
-
 def test_models_are_the_composition_of_their_blocks() -> None:
     gpt = GPT(GPTConfig(vocab=16, width=8, depth=2, heads=2, seq_len=4))
     tokens = torch.randint(0, 16, (2, 4))
@@ -90,48 +93,120 @@ def test_models_are_the_composition_of_their_blocks() -> None:
         x = block(x)
     assert torch.equal(x, gpt(tokens)) and x.shape == (2, 4, 16)
     mlp = MLP(MLPConfig(inputs=5, hidden=7, classes=3, depth=3))
-    assert len(blocks_in_order(mlp)) == 3 and mlp(torch.zeros(4, 5)).shape == (4, 3)
-    with pytest.raises(TypeError, match="blocks_in_order"):
-        blocks_in_order(nn.Linear(2, 2))
+    assert len(blocks_in_order(mlp) or []) == 3 and mlp(torch.zeros(4, 5)).shape == (4, 3)
+    assert blocks_in_order(nn.Linear(2, 2)) is None
     with pytest.raises(ValueError, match=r"GPTConfig\.width"):
         GPTConfig(width=10, heads=3)
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "field"),
-    [
-        ({"strategy": "zero"}, "strategy"),
-        ({"zero_stage": 4}, "zero_stage"),
-        ({"schedule": "interleaved"}, "schedule"),
-        ({"collective": "tree"}, "collective"),
-        ({"precision": "fp16"}, "precision"),
-        ({"microbatches": 0}, "microbatches"),
-        ({"grad_accum": 0}, "grad_accum"),
-        ({"grad_clip": 0.0}, "grad_clip"),
-        ({"ddp_bucket_mb": 0}, "ddp_bucket_mb"),
-        ({"strategy": "fsdp", "grad_compression": "bf16"}, "grad_compression"),
-    ],
-)
-def test_config_errors_name_the_field(kwargs: dict[str, object], field: str) -> None:
-    with pytest.raises(ValueError, match=rf"ParallelConfig\.{field}"):
-        ParallelConfig(**kwargs)  # type: ignore[arg-type]
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.lin(x)
 
 
-def test_comm_rejects_unknown_algorithm_and_parallelize_needs_a_process_group() -> None:
+class Tower(nn.Module):
+    """Not a sequence of blocks: embedding, a ModuleList of blocks, a head tied to the embedding."""
+
+    _no_split_modules = ["Block"]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.layers = nn.ModuleList(Block() for _ in range(4))
+        self.norm = nn.LayerNorm(4)
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))
+
+
+def test_units_are_the_blocks_or_the_repeated_blocks() -> None:
+    gpt = GPT(GPTConfig(vocab=16, width=8, depth=2, heads=2, seq_len=4))
+    assert auto_units(gpt) == gpt.blocks_in_order()
+    tower = Tower()
+    assert auto_units(tower) == list(tower.layers)
+    tower._no_split_modules = []  # type: ignore[assignment]
+    assert repeated_blocks(tower) == list(tower.layers)  # the longest ModuleList of one class
+    assert repeated_blocks(nn.Linear(2, 2)) == []
+
+
+def test_stage_plan_owns_each_parameter_where_its_module_runs_and_a_tied_one_twice() -> None:
+    tower = Tower()
+    assert auto_split(tower, 2) == ["layers.2"]
+    p = plan(tower, ["layers.2"])
+    assert p.stage_of_module["layers.1"] == 0 and p.stage_of_module["norm"] == 1
+    assert p.owners[id(tower.layers[0].lin.weight)] == {0}
+    assert p.owners[id(tower.norm.weight)] == {1}
+    assert p.owners[id(tower.embed.weight)] == {0, 1}  # the head on stage 1 shares it
+    # Stage 1 stands in for the modules before its boundary that hold parameters.
+    assert p.stand_ins[1] == ["embed", "layers.0", "layers.1"]
+    # The ModuleList itself is never called: its members stand in, one by one.
+    assert plan(tower, ["norm"]).stand_ins[1] == ["embed", "layers.0", "layers.1", "layers.2", "layers.3"]
+    with pytest.raises(ValueError, match=r"no submodule 'layers\.9'"):
+        plan(tower, ["layers.9"])
+    with pytest.raises(ValueError, match="not in the model's module order"):
+        plan(tower, ["layers.3", "layers.1"])
+
+
+@pytest.fixture(scope="module")
+def one_process_group() -> Iterator[None]:
+    dist.init_process_group(
+        "gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=30)
+    )
+    yield
+    dist.destroy_process_group()
+
+
+def test_wrappers_reject_misuse_with_the_argument_named(one_process_group: None) -> None:
+    with pytest.raises(ValueError, match="zero_stage must be 1, 2 or 3"):
+        fully_shard(nn.Linear(2, 2), zero_stage=4)
+    with pytest.raises(ValueError, match="collective must be one of"):
+        data_parallel(nn.Linear(2, 2), collective="tree")
+    with pytest.raises(ValueError, match=r"stages=3 must be a positive divisor"):
+        pipeline(Tower(), stages=3)
+    with pytest.raises(ValueError, match="schedule must be"):
+        pipeline(Tower(), stages=1, schedule="interleaved")
+    tower = Tower()
+    with pytest.raises(ValueError, match="must not nest"):
+        fully_shard(tower, units=["layers", "layers.0"])
+    with pytest.raises(ValueError, match="no submodule 'blocks'"):
+        fully_shard(tower, units=["blocks"])
+    wrapped = data_parallel(Tower())
+    with pytest.raises(ValueError, match="already wrapped"):
+        fully_shard(wrapped)
+    with pytest.raises(RuntimeError, match="move the model to its device"):
+        wrapped.to(torch.float64)
+
+
+def test_sharded_module_between_steps_holds_only_shards_and_its_state_dict_works(
+    one_process_group: None,
+) -> None:
+    torch.manual_seed(0)
+    plain = Tower()
+    model = fully_shard(Tower(), zero_stage=3)
+    model.load_state_dict(plain.state_dict())  # full tensors in: each rank keeps its piece
+    ids = torch.randint(0, 10, (2, 3))
+    with torch.no_grad():
+        assert torch.allclose(model(ids), plain(ids))
+    model(ids).sum().backward()  # a step opens in forward and closes when backward ends
+    state = model.state_dict()  # the shards: 1-D pieces under the original names
+    assert set(state) == set(plain.state_dict()) and state["layers.0.lin.weight"].dim() == 1
+    assert dict(model.named_parameters()).keys() == dict(plain.named_parameters()).keys()
+    with pytest.raises(RuntimeError, match="outside the wrapped model's forward"):
+        model.module.layers[0](torch.zeros(1, 4))
+
+
+def test_comm_rejects_unknown_algorithm_and_wrappers_need_a_process_group() -> None:
     with pytest.raises(ValueError, match="collective must be one of"):
         Comm("tree")
-    with pytest.raises(RuntimeError, match="init_process_group"):
-        parallelize(nn.Linear(2, 2), ParallelConfig(), lambda p: torch.optim.SGD(p, lr=0.1))
-
-
-def test_a_parameter_shared_across_groups_is_found_by_name_and_groups() -> None:
-    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3), nn.Linear(3, 3), nn.Linear(3, 2))
-    blocks = list(model)
-    assert parameter_shared_across(model, [[b] for b in blocks]) is None
-    model[2].weight = model[0].weight  # tied: blocks 0 and 2
-    assert parameter_shared_across(model, [[b] for b in blocks]) == ("0.weight", 0, 2)
-    # Within one group (a pipeline stage holding both blocks) it is no problem.
-    assert parameter_shared_across(model, [blocks[:3], blocks[3:]]) is None
-    assert parameter_shared_across(model, [blocks[:2], blocks[2:]]) == ("0.weight", 0, 1)
-    model[0].weight.requires_grad_(False)  # frozen: never sharded or updated, so sharing is harmless
-    assert parameter_shared_across(model, [[b] for b in blocks]) is None
+    if not dist.is_initialized():
+        with pytest.raises(RuntimeError, match="init_process_group"):
+            data_parallel(nn.Linear(2, 2))

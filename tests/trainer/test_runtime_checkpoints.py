@@ -30,7 +30,12 @@ def test_retention_and_fallback_past_damaged_checkpoints(tmp_path: Path) -> None
     assert checkpoint_steps(root) == [4, 6, 8], "retention must keep exactly the newest 3"
     manifest = json.loads((root / "step-00000008" / "manifest.json").read_text())
     assert (manifest["step"], manifest["world_size"]) == (8, 2)
-    assert manifest["data"]["next_step"] == 9 and manifest["schedule"]["total_steps"] == 8
+    assert manifest["data"]["next_step"] == 9 and manifest["config"]["steps"] == 8
+    # The learning-rate scheduler is saved (by rank 0) and read back on resume.
+    import torch
+
+    shared = torch.load(root / "step-00000008" / "rank-00000.pt", weights_only=True)["global_state"]
+    assert shared["scheduler"]["last_epoch"] == 8
     assert sorted(manifest["files"]) == ["rank-00000.pt", "rank-00001.pt"]
     assert any(key.startswith("optim.") for key in manifest["tensors"])
     assert not list(root.glob(".staging-*")), "staging directories must not outlive a save"

@@ -32,10 +32,17 @@ from tests.trainer.runtime_gang import free_port, run_single, trainer_env
             {},
             "--data (env DTJOB_DATA) /no/such/corpus: no such file or directory",
         ),
+        # After torch is imported, still one line: no CUDA on a CI machine.
+        (["--device", "cuda", "--steps", "1"], {}, "--device cuda (env DTJOB_DEVICE): CUDA is not available"),
+        (["--model", "no_such_module:build"], {}, "--model no_such_module:build: cannot import"),
     ],
-    ids=["strategy", "batch", "pipeline-stages", "env", "data"],
+    ids=["strategy", "batch", "pipeline-stages", "env", "data", "device", "user-model"],
 )
 def test_bad_flags_exit_2_with_one_line(args: list[str], env: dict[str, str], expect: str) -> None:
+    import torch
+
+    if "--device" in args and torch.cuda.is_available():
+        pytest.fail("this case checks the error on a machine without CUDA; run the GPU check instead")
     done = run_single(args, env=env)
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()

@@ -12,21 +12,23 @@ import torch
 
 from dtjob.trainer import checkpoint as ckpt
 from dtjob.trainer.config import ConfigError, TrainerConfig, parse
-from dtjob.trainer.data import Corpus, GlobalBatches
-from dtjob.trainer.parallel import config as parallel_config
-from dtjob.trainer.parallel.state import FlatShard
+from dtjob.trainer.data import Corpus, GlobalBatchSampler, TokenWindows
+from dtjob.trainer.parallel.comm import COLLECTIVES
+from dtjob.trainer.parallel.shards import FlatShard
 from dtjob.trainer.schedule import WarmupCosine
 
 # --- flags and environment -----------------------------------------------------------------------
 
 
-def test_flag_choices_are_what_the_strategies_accept() -> None:
-    """The trainer's flags are declared without importing torch; ParallelConfig validates them."""
+def test_flag_choices_are_what_the_wrappers_accept() -> None:
+    """The trainer's flags are declared without importing torch; the wrappers validate them."""
+    from dtjob.trainer.device import DEVICES
+    from dtjob.trainer.parallel.common import PRECISIONS
+
     choices = {f.name: f.metadata["choices"] for f in dataclasses.fields(TrainerConfig)}
-    assert set(choices["strategy"]) == set(parallel_config.STRATEGIES)
-    assert set(choices["schedule"]) == set(parallel_config.SCHEDULES)
-    assert set(choices["collective"]) == set(parallel_config.COLLECTIVES)
-    assert set(choices["precision"]) == set(parallel_config.PRECISIONS)
+    assert set(choices["collective"]) == set(COLLECTIVES)
+    assert set(choices["precision"]) == set(PRECISIONS)
+    assert set(choices["device"]) == set(DEVICES)
 
 
 def test_flag_beats_environment_beats_default() -> None:
@@ -47,6 +49,12 @@ def test_flag_beats_environment_beats_default() -> None:
         (["--dim", "30", "--heads", "4"], {}, "--heads"),
         (["--no-such-flag"], {}, "--no-such-flag"),
         (["--rank", "4", "--world-size", "4"], {}, "--rank"),
+        (["--model", "my_models.make"], {}, "--model"),
+        (["--data", "no/such/dir"], {}, "--data"),
+        (["--grad-accum", "3", "--global-batch-size", "8"], {"WORLD_SIZE": "2"}, "--grad-accum"),
+        (["--grad-compression", "bf16", "--strategy", "fsdp"], {}, "--grad-compression"),
+        (["--activation-checkpointing", "maybe"], {}, "--activation-checkpointing"),
+        (["--device", "tpu"], {}, "--device"),
     ],
 )
 def test_bad_configuration_names_the_flag(argv: list[str], env: dict[str, str], names: str) -> None:
@@ -72,18 +80,45 @@ def test_corpus_reads_text_files_in_sorted_order_and_skips_binary(tmp_path: Path
     assert 0 not in set(corpus.tokens.tolist())
 
 
-def test_global_step_samples_do_not_depend_on_world_size(tmp_path: Path) -> None:
-    batches = GlobalBatches(_corpus(tmp_path), seq_len=16, global_batch_size=12, seed=3)
-    whole, whole_targets = batches.batch(5, 0, 1)
-    assert whole.shape == (12, 16) and whole.dtype == torch.int64
-    assert torch.equal(whole[:, 1:], whole_targets[:, :-1])  # targets are the next bytes
-    for dp_size in (2, 3, 4):
-        parts = [batches.batch(5, r, dp_size) for r in range(dp_size)]
-        assert torch.equal(torch.cat([p[0] for p in parts]), whole)
-        assert torch.equal(torch.cat([p[1] for p in parts]), whole_targets)
-    assert not torch.equal(batches.batch(6, 0, 1)[0], whole)
-    other_seed = GlobalBatches(batches.corpus, seq_len=16, global_batch_size=12, seed=4)
-    assert not torch.equal(other_seed.batch(5, 0, 1)[0], whole)
+def test_flags_parse_booleans_and_user_code() -> None:
+    c = parse(["--activation-checkpointing", "true", "--zero3-prefetch", "0", "--model", "pkg.mod:make"], {})
+    assert c.activation_checkpointing is True and c.zero3_prefetch is False and c.model == "pkg.mod:make"
+    assert parse([], {"DTJOB_DATA": "pkg.data:load"}).data == "pkg.data:load"
+
+
+@pytest.mark.parametrize("shuffle", ["epoch", "replacement"])
+def test_global_step_samples_do_not_depend_on_world_size(shuffle: str) -> None:
+    whole = GlobalBatchSampler(50, 12, seed=3, shuffle=shuffle)
+    for step in (1, 5, 9):
+        for dp_size in (2, 3, 4):
+            parts = [
+                GlobalBatchSampler(50, 12, dp_rank=r, dp_size=dp_size, seed=3, shuffle=shuffle)
+                for r in range(dp_size)
+            ]
+            assert [i for p in parts for i in p.indices(step)] == whole.indices(step)
+    assert whole.indices(5) != whole.indices(6)
+    assert GlobalBatchSampler(50, 12, seed=4, shuffle=shuffle).indices(5) != whole.indices(5)
+
+
+def test_epoch_order_visits_every_sample_once_per_epoch() -> None:
+    sampler = GlobalBatchSampler(30, 12, seed=1, steps=5)  # 60 samples: two epochs of 30
+    seen = [i for batch in sampler for i in batch]
+    assert sorted(seen[:30]) == list(range(30)) and sorted(seen[30:60]) == list(range(30))
+    sampler.start_step = 3
+    assert list(sampler) == [sampler.indices(4), sampler.indices(5)]
+
+
+def test_corpus_windows_are_inputs_and_next_bytes(tmp_path: Path) -> None:
+    windows = TokenWindows(_corpus(tmp_path), seq_len=16)
+    x, y = windows[7]
+    assert x.shape == y.shape == (16,) and x.dtype == torch.int64
+    assert torch.equal(x[1:], y[:-1]) and bytes(x[:3].tolist()) == bytes(windows.corpus.tokens[7:10])
+    assert len(windows) == len(windows.corpus.tokens) - 16
+
+
+def test_sampler_rejects_a_batch_the_replicas_cannot_split() -> None:
+    with pytest.raises(ValueError, match="not divisible by the 5 data-parallel replicas"):
+        GlobalBatchSampler(100, 12, dp_size=5)
 
 
 def test_builtin_corpus_is_the_standard_library() -> None:

@@ -189,9 +189,25 @@ def test_images_run_the_right_entry_points_and_extras() -> None:
     assert "[operator]" in operator_text and "[trainer]" not in operator_text
     assert "[trainer]" in trainer_text and "[operator]" not in trainer_text
     assert "slim" in _final_from(OPERATOR_DOCKERFILE)
-    assert _final_from(TRAINER_DOCKERFILE).startswith("pytorch/pytorch:") and "cuda" in _final_from(
-        TRAINER_DOCKERFILE
-    )
+    assert "torch==${TORCH_VERSION}" in trainer_text
+
+
+def test_trainer_image_torch_is_the_tested_one_and_satisfies_the_floor() -> None:
+    """The torch the image ships is the one CI runs every test with (constraints.txt), and the
+    [trainer] extra's floor admits it."""
+    import tomllib
+
+    import torch
+    from packaging.requirements import Requirement
+
+    [arg] = [i.argument for i in _final(TRAINER_DOCKERFILE, "ARG") if i.argument.startswith("TORCH_VERSION=")]
+    image_torch = arg.split("=", 1)[1]
+    constraints = (REPO / "constraints.txt").read_text().splitlines()
+    assert f"torch=={image_torch}" in constraints
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    [floor] = [Requirement(r) for r in extras["trainer"] if r.startswith("torch")]
+    assert floor.specifier.contains(image_torch), f"image torch {image_torch} outside {floor}"
+    assert torch.__version__.split("+")[0] == image_torch, "the tests ran with another torch than the image's"
 
 
 def _final_from(dockerfile: Path) -> str:

@@ -37,6 +37,8 @@ def test_worker_pod_has_the_design_names_labels_env_and_volume() -> None:
         "RANK": "1",
         "LOCAL_RANK": "0",
         "LOCAL_WORLD_SIZE": "1",
+        "DTJOB_POD_RANK": "1",
+        "DTJOB_PODS": "3",
         "DTJOB_JOB_NAME": "gpt",
         "DTJOB_NAMESPACE": "ml",
         "DTJOB_GENERATION": "2",
@@ -51,6 +53,38 @@ def test_worker_pod_has_the_design_names_labels_env_and_volume() -> None:
     assert spec["securityContext"]["runAsNonRoot"] is True
     assert "schedulerName" not in spec
     assert spec["automountServiceAccountToken"] is False, "workers need no API access"
+
+
+def test_a_pod_of_several_processes_runs_them_through_the_launcher() -> None:
+    job = make_job()
+    trainer = job["spec"]["template"]["spec"]["containers"][0]
+    trainer["resources"] = {"limits": {"nvidia.com/gpu": "2"}}  # nprocPerWorker defaults to it
+    trainer["command"], trainer["args"] = ["python", "-m", "dtjob.trainer"], ["--steps=5"]
+    pod = worker_pod(JobView(job), rank=1, world_size=3, generation=0)
+    env = env_of(pod)
+    assert (env["WORLD_SIZE"], env["RANK"], env["LOCAL_WORLD_SIZE"], env["DTJOB_POD_RANK"]) == (
+        "6",
+        "2",
+        "2",
+        "1",
+    )
+    container = pod["spec"]["containers"][0]
+    assert container["command"] == [
+        "python",
+        "-m",
+        "dtjob.launcher",
+        "--",
+        "python",
+        "-m",
+        "dtjob.trainer",
+        "--steps=5",
+    ]
+    assert "args" not in container
+    job["spec"]["nprocPerWorker"] = 3  # the field wins over the GPU count
+    assert env_of(worker_pod(JobView(job), rank=0, world_size=2, generation=0))["WORLD_SIZE"] == "6"
+    job["spec"]["nprocPerWorker"] = 1
+    one = worker_pod(JobView(job), rank=0, world_size=2, generation=0)["spec"]["containers"][0]
+    assert one["command"] == ["python", "-m", "dtjob.trainer"], "one process: the command as written"
 
 
 def test_template_is_not_mutated_by_building_pods() -> None:

@@ -54,6 +54,13 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "Step", "type": "integer", "jsonPath": ".status.step", "description": "Latest training step"},
     {"name": "Restarts", "type": "integer", "jsonPath": ".status.restarts", "description": "Gang restarts"},
     {
+        "name": "Processes",
+        "type": "integer",
+        "jsonPath": ".status.worldSize",
+        "priority": 1,
+        "description": "Trainer processes now (workers x nprocPerWorker)",
+    },
+    {
         "name": "Generation",
         "type": "integer",
         "jsonPath": ".status.generation",

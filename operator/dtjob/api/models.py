@@ -216,6 +216,15 @@ class DistributedTrainingJobSpec(ApiModel):
         description="Port of each worker's Prometheus endpoint (DTJOB_METRICS_PORT), which the "
         "operator reads step and checkpoint progress from.",
     )
+    nproc_per_worker: int | None = Field(
+        default=None,
+        ge=1,
+        le=64,
+        description="Trainer processes per worker pod (LOCAL_WORLD_SIZE; torchrun's --nproc-per-node). "
+        "Unset: the trainer container's nvidia.com/gpu limit, else 1. With more than one, the pod runs "
+        "the container's command through `python -m dtjob.launcher`. Replicas, elastic bounds and "
+        "`kubectl scale` count pods; the gang has replicas x nprocPerWorker processes. Immutable.",
+    )
     template: PodTemplateSpec = Field(
         description="Pod template of every worker; it must have a container named `trainer`, "
         "and a restartPolicy of Never if any (the operator restarts the gang). Immutable.",
@@ -268,6 +277,11 @@ class DistributedTrainingJobStatus(ApiModel):
     )
     replicas: int | None = Field(
         default=None, ge=0, description="World size of the current generation (number of workers)."
+    )
+    world_size: int | None = Field(
+        default=None,
+        ge=0,
+        description="Trainer processes in the current generation: replicas x nprocPerWorker.",
     )
     ready_replicas: int | None = Field(default=None, ge=0, description="Workers of this generation running.")
     selector: str | None = Field(

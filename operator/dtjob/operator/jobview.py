@@ -29,6 +29,7 @@ from dtjob.api.models import (
     RestartPolicy,
 )
 from dtjob.api.rules import InvalidJobError
+from dtjob.operator.quantity import parse_quantity
 
 __all__ = [
     "API_VERSION",
@@ -52,6 +53,9 @@ LABEL_RANK = "training.dtjob.io/rank"
 LABEL_GENERATION = "training.dtjob.io/generation"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 MANAGED_BY = "dtjob-operator"
+
+# The extended resource of a GPU: a trainer container asking for n of them runs n processes.
+GPU_RESOURCE = "nvidia.com/gpu"
 
 # The exit code of a trainer that stopped cleanly after a checkpoint (dtjob.contract).
 EXIT_CHECKPOINTED = contract.EXIT_STOPPED
@@ -174,6 +178,19 @@ class JobView:
         return code in self.spec.elastic.permanent_exit_codes
 
     # ports and paths ----------------------------------------------------------------------
+    @property
+    def nproc_per_worker(self) -> int:
+        """Processes per worker pod: spec.nprocPerWorker, else the trainer's GPU limit, else 1."""
+        if self.spec.nproc_per_worker is not None:
+            return self.spec.nproc_per_worker
+        container = self.spec.trainer_container() or {}
+        limits = (container.get("resources") or {}).get("limits") or {}
+        gpus = limits.get(GPU_RESOURCE)
+        if gpus is None:
+            return 1
+        count = int(parse_quantity(str(gpus)))
+        return count if count >= 1 else 1
+
     @property
     def master_port(self) -> int:
         return self.spec.master_port

@@ -58,13 +58,17 @@ def selector_labels(job: JobView) -> dict[str, str]:
 
 def _trainer_env(job: JobView, rank: int, world_size: int, generation: int) -> list[dict[str, Any]]:
     c = contract
+    nproc = job.nproc_per_worker
     values = {
         c.ENV_MASTER_ADDR: master_addr(job),
         c.ENV_MASTER_PORT: str(job.master_port),
-        c.ENV_WORLD_SIZE: str(world_size),
-        c.ENV_RANK: str(rank),
+        # In processes; with several per pod, dtjob.launcher gives each its RANK and LOCAL_RANK.
+        c.ENV_WORLD_SIZE: str(world_size * nproc),
+        c.ENV_RANK: str(rank * nproc),
         c.ENV_LOCAL_RANK: "0",
-        c.ENV_LOCAL_WORLD_SIZE: "1",
+        c.ENV_LOCAL_WORLD_SIZE: str(nproc),
+        c.ENV_POD_RANK: str(rank),
+        c.ENV_PODS: str(world_size),
         c.ENV_JOB_NAME: job.name,
         c.ENV_NAMESPACE: job.namespace,
         c.ENV_GENERATION: str(generation),
@@ -89,6 +93,16 @@ def _checkpoint_volume(job: JobView) -> dict[str, Any] | None:
     volume = {k: copy.deepcopy(v) for k, v in source.items() if k != "name"}
     volume["name"] = str(source.get("name") or CHECKPOINT_VOLUME_NAME)
     return volume
+
+
+def _run_through_launcher(container: dict[str, Any]) -> None:
+    """Several processes per pod: the container runs `python -m dtjob.launcher -- <its command>`,
+    which starts LOCAL_WORLD_SIZE copies of it (the image's ENTRYPOINT when the template gives
+    no command: the trainer image's `python -m dtjob.trainer`)."""
+    command = list(container.get("command") or ["python", "-m", "dtjob.trainer"])
+    args = list(container.get("args") or [])
+    container["command"] = ["python", "-m", "dtjob.launcher", "--", *command, *args]
+    container.pop("args", None)
 
 
 def worker_pod(job: JobView, rank: int, world_size: int, generation: int) -> dict[str, Any]:
@@ -146,6 +160,8 @@ def worker_pod(job: JobView, rank: int, world_size: int, generation: int) -> dic
         container["env"] = _merge_env(
             container.get("env") or [], _trainer_env(job, rank, world_size, generation)
         )
+        if job.nproc_per_worker > 1:
+            _run_through_launcher(container)
         ports = [p for p in container.get("ports") or [] if p.get("name") not in {"master", "metrics"}]
         container["ports"] = [
             *ports,

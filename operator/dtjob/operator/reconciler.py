@@ -352,6 +352,7 @@ def _start(p: _Pass) -> None:
         return
     size = p.job.desired_replicas
     p.status["replicas"] = size
+    p.status["worldSize"] = size * p.job.nproc_per_worker
     p.status["phase"] = PENDING
     p.set_condition("Created", True, "Created", f"generation 0: creating {size} workers")
     p.event("Created", f"generation 0: creating {size} workers")
@@ -432,6 +433,7 @@ def _new_generation(
     generation = int(p.status.get("generation", -1)) + 1
     p.status["generation"] = generation
     p.status["replicas"] = size
+    p.status["worldSize"] = size * p.job.nproc_per_worker
     if counted:
         p.status["restarts"] = int(p.status.get("restarts") or 0) + 1
         p.actions.append(CountRestart(reason))

@@ -1,9 +1,9 @@
 """`python -m dtjob.trainer` (also `dtjob train`): one worker of a distributed training job.
 
-Exit status: 0 training complete; 75 stopped on SIGTERM/SIGINT after writing a checkpoint;
-2 bad flags or environment, or the master unreachable (one line on stderr names the problem);
-3 this worker's DTJOB_GENERATION differs from its gang's; 1 any other failure, such as a peer
-lost mid-step (the collective fails within --collective-timeout).
+Exit status (dtjob.contract): 0 training complete; 75 stopped on SIGTERM/SIGINT after writing a
+checkpoint; 2 bad flags, environment, device or user code, or the master unreachable (one line on
+stderr names the problem); 3 this worker's DTJOB_GENERATION differs from its gang's; 1 any other
+failure, such as a peer lost mid-step (the collective fails within --collective-timeout).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import traceback
 
 from dtjob import contract
 from dtjob.trainer.config import EXIT_CONFIG_ERROR, ConfigError, TrainerConfig, parse
-from dtjob.trainer.signals import StopRequest
 
 EXIT_FAILURE = contract.EXIT_FAILURE
 EXIT_STALE_GENERATION = contract.EXIT_STALE_GENERATION
@@ -39,7 +38,6 @@ def _setup_logging(c: TrainerConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    stop = StopRequest()  # installed by the trainer once the gang has formed
     try:
         config = parse(sys.argv[1:] if argv is None else argv)
     except ConfigError as err:
@@ -48,28 +46,17 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging(config)
 
     # Imported only now: torch takes seconds to import, and a bad flag should not wait for it.
-    import torch.distributed as dist
-
     from dtjob.trainer.checkpoint import CheckpointError
+    from dtjob.trainer.device import DeviceError
     from dtjob.trainer.elastic import RendezvousError, StaleGenerationError
-    from dtjob.trainer.loop import Trainer, open_output
-    from dtjob.trainer.metrics import TrainerMetrics
+    from dtjob.trainer.loop import train
+    from dtjob.trainer.session import SessionError, Stopped
 
-    metrics = TrainerMetrics()
-    metrics.world_size.set(config.world_size)
-    metrics.generation.set(config.generation)
-    metrics.rank.set(config.rank)
     try:
-        if config.metrics_port:
-            port = config.metrics_port + config.local_rank
-            try:
-                metrics.serve(port)
-            except OSError as err:
-                raise ConfigError(f"--metrics-port: cannot serve on port {port}: {err}") from None
-        trainer = Trainer(config, stop, metrics)
-        with open_output(config) as out:
-            code = trainer.run(out)
-    except (ConfigError, RendezvousError) as err:
+        train(config)
+    except Stopped:
+        return contract.EXIT_STOPPED
+    except (ConfigError, RendezvousError, DeviceError, SessionError) as err:
         return _fail(EXIT_CONFIG_ERROR, str(err))
     except StaleGenerationError as err:
         return _fail(EXIT_STALE_GENERATION, str(err))
@@ -79,9 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
         first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
         return _fail(EXIT_FAILURE, f"rank {config.rank} failed: {type(err).__name__}: {first_line}")
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    return code
+    return contract.EXIT_OK
 
 
 def _exit_now(code: int) -> None:

@@ -1,14 +1,29 @@
-"""From flags to objects: the model, the optimizer factory and the strategy's `ParallelConfig`."""
+"""From flags to objects: the model (built in or the user's), the dataset, the wrapper, the optimizer.
+
+User code: `--model pkg.module:factory` names a callable taking no arguments that returns the
+`nn.Module`; its forward takes a batch of token ids (batch, seq) and returns logits
+(batch, seq, vocab), or an output with `.logits` as transformers models do. `--data
+pkg.module:factory` names a callable returning a map-style dataset whose items are 1-D tensors of
+seq_len + 1 token ids (input and target are the window shifted by one), or (input, target) pairs.
+"""
 
 from __future__ import annotations
 
-import torch
-from torch import nn
+import importlib
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
-from dtjob.trainer.config import TrainerConfig
-from dtjob.trainer.data import VOCAB_SIZE
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset
+
+from dtjob.trainer.config import ConfigError, TrainerConfig, is_factory
+from dtjob.trainer.data import VOCAB_SIZE, Corpus, DataError, TokenWindows
 from dtjob.trainer.models import GPT, MLP, GPTConfig, MLPConfig
-from dtjob.trainer.parallel import OptimizerFactory, ParallelConfig
+from dtjob.trainer.parallel import common, data_parallel, fully_shard, pipeline
 
 # The MLP's hidden width relative to --dim, as in a transformer block's MLP.
 _MLP_HIDDEN_RATIO = 4
@@ -38,30 +53,124 @@ class ByteMLP(nn.Module):
         return x
 
 
+def load_factory(text: str, flag: str) -> Callable[[], Any]:
+    """The callable named by pkg.module:name (the working directory is importable, as for python -m)."""
+    module_name, _, name = text.partition(":")
+    if "" not in sys.path and str(Path.cwd()) not in sys.path:
+        sys.path.insert(0, str(Path.cwd()))
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ConfigError(f"{flag} {text}: cannot import {module_name}: {err}") from None
+    factory = getattr(module, name, None)
+    if not callable(factory):
+        raise ConfigError(f"{flag} {text}: {module_name} has no callable {name}")
+    return factory
+
+
 def build_model(c: TrainerConfig) -> nn.Module:
     """The same initial weights on every rank: seeded from --seed alone."""
     torch.manual_seed(c.seed)
     if c.model == "gpt":
         return GPT(GPTConfig(vocab=VOCAB_SIZE, width=c.dim, depth=c.layers, heads=c.heads, seq_len=c.seq_len))
-    return ByteMLP(c.dim, c.layers)
+    if c.model == "mlp":
+        return ByteMLP(c.dim, c.layers)
+    model = load_factory(c.model, "--model")()
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"--model {c.model}: the factory returned {type(model).__name__}, not an nn.Module")
+    return model
 
 
-def optimizer_factory(c: TrainerConfig) -> OptimizerFactory:
-    def make(params: list[nn.Parameter]) -> torch.optim.Optimizer:
-        # The learning rate is set before every step by the schedule; this value is never used.
-        return torch.optim.AdamW(params, lr=c.lr, weight_decay=c.weight_decay)
+def build_dataset(c: TrainerConfig) -> tuple[Dataset[Any], str, str]:
+    """(dataset, its fingerprint for the cross-rank check, the sampler's shuffle mode)."""
+    if c.data and is_factory(c.data):
+        dataset = load_factory(c.data, "--data")()
+        if not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
+            raise ConfigError(
+                f"--data {c.data}: the factory returned {type(dataset).__name__}, not a map-style dataset"
+            )
+        return dataset, f"{c.data}:{len(dataset)}", "epoch"
+    try:
+        corpus = Corpus.load(c.data)
+        windows = TokenWindows(corpus, c.seq_len)
+    except (DataError, OSError) as err:
+        raise ConfigError(f"{err} (--data, env DTJOB_DATA)") from None
+    # Every offset of the corpus is a sample: too many to permute, so each step draws its own.
+    return windows, corpus.fingerprint, "replacement"
 
-    return make
+
+def inputs_and_targets(items: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch from dataset items: windows of seq_len + 1 tokens, or (input, target) pairs."""
+    first = items[0]
+    if isinstance(first, (tuple, list)) and len(first) == 2:
+        return torch.stack([torch.as_tensor(i[0]) for i in items]), torch.stack(
+            [torch.as_tensor(i[1]) for i in items]
+        )
+    if isinstance(first, torch.Tensor) and first.dim() == 1:
+        rows = torch.stack(items)
+        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+    raise ConfigError(
+        "--data: items must be 1-D tensors of seq_len + 1 token ids or (input, target) pairs, got "
+        f"{type(first).__name__}"
+    )
 
 
-def parallel_config(c: TrainerConfig) -> ParallelConfig:
-    return ParallelConfig(
-        strategy=c.strategy,
-        zero_stage=c.zero_stage,
-        pipeline_stages=c.pipeline_stages,
+def lm_loss(output: Any, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over every position of logits (or an output's .logits)."""
+    logits = getattr(output, "logits", output)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
+def blocks(model: nn.Module) -> list[nn.Module]:
+    return common.blocks_in_order(model) or common.repeated_blocks(model)
+
+
+def _names(text: str | None) -> list[str] | None:
+    return [n.strip() for n in text.split(",") if n.strip()] if text else None
+
+
+def wrap(model: nn.Module, c: TrainerConfig) -> nn.Module:
+    """The model wrapped for --strategy, on the already initialised process group."""
+    precision = None if c.precision == "fp32" else c.precision
+    if c.activation_checkpointing:
+        common.apply_activation_checkpointing(blocks(model))
+    if c.strategy == "ddp":
+        return data_parallel(
+            model,
+            collective=c.collective,
+            bucket_mb=c.bucket_mb,
+            first_bucket_mb=c.first_bucket_mb,
+            grad_compression=c.grad_compression,
+            mixed_precision=precision,
+        )
+    if c.strategy == "fsdp":
+        return fully_shard(
+            model,
+            zero_stage=c.zero_stage,
+            units=_names(c.units),
+            collective=c.collective,
+            mixed_precision=precision,
+            prefetch=c.zero3_prefetch,
+        )
+    return pipeline(
+        model,
+        stages=c.pipeline_stages,
         microbatches=c.microbatches,
         schedule=c.schedule,
+        split=_names(c.split),
+        loss_fn=lm_loss,
         collective=c.collective,
-        precision=c.precision,
-        grad_clip=c.grad_clip if c.grad_clip > 0 else None,
+        mixed_precision=precision,
     )
+
+
+def optimizer(wrapped: nn.Module, dims: dict[str, int], c: TrainerConfig) -> torch.optim.Optimizer:
+    """AdamW with weight decay on matrices only, not on biases and norms' gains. `dims` are the
+    unwrapped parameters' dimensions by name (a ZeRO shard is 1-D whatever it belongs to)."""
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
+    for name, p in wrapped.named_parameters():
+        (decay if dims[name] >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": c.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # The learning rate follows the schedule (a LambdaLR over this peak value).
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=c.lr)

@@ -4,12 +4,13 @@ Format (version `dtjob-checkpoint/1`), one directory per checkpoint under `--che
 
     step-00000010/
         rank-00000.pt   torch.save of {"format", "rank", "shards": {key: 1-D tensor},
-        rank-00001.pt                  "rank_state": {"torch_cpu": ByteTensor, "python": random state}}
+        rank-00001.pt                  "rank_state": {"torch_cpu", "torch_cuda", "numpy", "python"},
+                                       "global_state": {"scheduler", "extras"} (rank 0 only)}
         ...
         manifest.json   written last, by rank 0
 
-Each rank writes the flat shards its strategy owns (`CheckpointableStrategy.state_shards`, see
-`parallel/state.py`): `shards[key]` is the slice `[offset, offset + len)` of the row-major flattened
+Each rank writes the flat shards it owns (`TrainState.state_shards`, see train_state.py and
+parallel/shards.py): `shards[key]` is the slice `[offset, offset + len)` of the row-major flattened
 global tensor `key`. Files are plain `torch.save` archives, readable with
 `torch.load(path, weights_only=True)` and memory-mapped when loading.
 
@@ -18,10 +19,9 @@ global tensor `key`. Files are plain `torch.save` archives, readable with
     format, step, world_size, generation, time (unix seconds), strategy, pipeline_stages,
     files:   {file name: {"sha256": hex, "bytes": size}}
     tensors: {key: {"shape": [...], "dtype": "float32", "shards": [[file, offset, length], ...]}}
-    extra_state: the strategy's JSON state (e.g. optimizer step counts)
-    schedule:    the learning-rate schedule; its position is `step`
-    data:        the data position (next step, seed, batch, corpus fingerprint)
-    config:      the run's flags, for the record
+    extra_state: the optimizer's JSON state (step counts, parameter groups' settings)
+    data:        the data position (next step, seed, global batch size, the dataset's fingerprint)
+    config:      the run's settings, for the record
     manifest_sha256: sha256 of the canonical JSON of every other field
 
 A checkpoint is valid only if the manifest parses, its own checksum holds, every file's size and
@@ -35,13 +35,15 @@ to `step-<step>/`; only after that rename does any rank return. Then rank 0 keep
 `--keep-checkpoints` step directories that have a manifest and deletes every other one.
 
 Loading at any world size: rank 0 picks the newest valid checkpoint and broadcasts its manifest;
-each rank's strategy then asks a `FetchRange` for the global ranges its own shards need, and the
-reader copies them out of whichever files hold them (`ShardReader.fetch`). Each rank's random
-state is restored from its own file when the world size is unchanged; at another world size the
-loop derives fresh per-rank streams from (seed, step, rank).
+each rank then asks a `FetchRange` for the global ranges its own shards need, and the reader
+copies them out of whichever files hold them (`ShardReader.fetch`), onto whatever device this run
+uses (a GPU run's checkpoint loads on CPU and back). Each rank's random state is restored from its
+own file when the world size is unchanged; at another world size the session derives fresh per-rank
+streams from (seed, step, rank).
 
-`--checkpoint-dir` must be one directory shared by every worker (rank 0 checks that every rank's
-file is visible before it publishes).
+The checkpoint directory must be one directory shared by every worker (rank 0 checks that every
+rank's file is visible before it publishes). The collectives of this protocol (indexes, the
+outcome, the manifest) run on a gloo group (`group`), so they never touch the GPU.
 """
 
 from __future__ import annotations
@@ -59,10 +61,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
-from dtjob.trainer.parallel.state import CheckpointableStrategy, FlatShard
+from dtjob.trainer.parallel.shards import FlatShard
+from dtjob.trainer.train_state import TrainState
 
 FORMAT = "dtjob-checkpoint/1"
 MANIFEST = "manifest.json"
@@ -136,20 +140,50 @@ class RankFileInfo:
 
 
 def rng_state() -> dict[str, Any]:
-    return {"torch_cpu": torch.get_rng_state(), "python": random.getstate()}
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state: dict[str, Any] = {
+        "torch_cpu": torch.get_rng_state(),
+        "numpy": [
+            kind,
+            torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+            int(pos),
+            int(has_gauss),
+            float(cached),
+        ],
+        "python": random.getstate(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["torch_cuda"] = torch.cuda.get_rng_state()
+    return state
 
 
 def restore_rng_state(state: Mapping[str, Any]) -> None:
     torch.set_rng_state(state["torch_cpu"])
     random.setstate(state["python"])
+    if "numpy" in state:
+        kind, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    if "torch_cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["torch_cuda"])
 
 
 def write_rank_file(
-    directory: Path, rank: int, shards: Mapping[str, FlatShard], rank_state: Mapping[str, Any]
+    directory: Path,
+    rank: int,
+    shards: Mapping[str, FlatShard],
+    rank_state: Mapping[str, Any],
+    global_state: Mapping[str, Any] | None = None,
 ) -> RankFileInfo:
-    """Write this rank's shards (compact copies: a view would drag its whole storage along)."""
-    tensors = {key: s.local.detach().reshape(-1).clone() for key, s in shards.items()}
-    payload = {"format": FORMAT, "rank": rank, "shards": tensors, "rank_state": dict(rank_state)}
+    """Write this rank's shards (compact CPU copies: a view would drag its whole storage along)."""
+    tensors = {key: s.local.detach().reshape(-1).cpu().clone() for key, s in shards.items()}
+    payload: dict[str, Any] = {
+        "format": FORMAT,
+        "rank": rank,
+        "shards": tensors,
+        "rank_state": dict(rank_state),
+    }
+    if global_state is not None:
+        payload["global_state"] = dict(global_state)
     path = directory / rank_file_name(rank)
     _write_durably(path, lambda p: torch.save(payload, p))
     index = {
@@ -332,6 +366,11 @@ class ShardReader:
         state: dict[str, Any] = self._file(rank_file_name(rank))["rank_state"]
         return state
 
+    def global_state(self) -> dict[str, Any]:
+        """What rank 0 saved for the whole run (scheduler, extras); {} in an older checkpoint."""
+        state: dict[str, Any] = self._file(rank_file_name(0)).get("global_state", {})
+        return state
+
     def close(self) -> None:
         self._files.clear()
 
@@ -353,22 +392,36 @@ class Loaded:
 
 
 class Checkpointer:
-    """Save and load checkpoints of one strategy; every rank of the default group calls each method."""
+    """Save and load checkpoints of one TrainState; every rank of the default group calls each method.
 
-    def __init__(self, root: Path, rank: int, world_size: int, generation: int, keep: int) -> None:
+    group: a gloo group over every rank for the protocol's own messages (None: the default group).
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        rank: int,
+        world_size: int,
+        generation: int,
+        keep: int,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
         self.root = root
         self.rank = rank
         self.world_size = world_size
         self.generation = generation
         self.keep = keep
+        self.group = group
 
-    def save(self, step: int, strategy: CheckpointableStrategy, meta: Mapping[str, Any]) -> Path:
+    def save(self, step: int, state: TrainState, meta: Mapping[str, Any]) -> Path:
         """Write the checkpoint of `step`; returns its directory once it is published."""
         staging = self.root / f"{_STAGING_PREFIX}{step_dir_name(step)}-g{self.generation}"
         staging.mkdir(parents=True, exist_ok=True)
-        info = write_rank_file(staging, self.rank, strategy.state_shards(), rng_state())
+        shared = state.global_state() if self.rank == 0 else None
+        info = write_rank_file(staging, self.rank, state.state_shards(), rng_state(), shared)
         infos: list[Any] = [None] * self.world_size
-        dist.all_gather_object(infos, info)  # doubles as the barrier: every rank's file is on disk
+        # Doubles as the barrier: every rank's file is on disk.
+        dist.all_gather_object(infos, info, group=self.group)
         final = self.root / step_dir_name(step)
         outcome: list[Any] = [None]
         if self.rank == 0:
@@ -379,7 +432,7 @@ class Checkpointer:
                     "world_size": self.world_size,
                     "generation": self.generation,
                     "time": time.time(),
-                    "extra_state": strategy.extra_state(),
+                    "extra_state": state.extra_state(),
                 }
                 for info in infos:
                     written = staging / info.name
@@ -396,15 +449,15 @@ class Checkpointer:
                     log.info("deleted old checkpoint %s (keeping the newest %d)", gone, self.keep)
             except Exception as err:
                 outcome[0] = f"{type(err).__name__}: {err}"
-        dist.broadcast_object_list(outcome, src=0)
+        dist.broadcast_object_list(outcome, src=0, group=self.group)
         if outcome[0] is not None:
             raise CheckpointError(f"writing checkpoint {final} failed on rank 0: {outcome[0]}")
         return final
 
     def load_latest(
-        self, strategy: CheckpointableStrategy, check: Callable[[dict[str, Any]], None] | None = None
+        self, state: TrainState, check: Callable[[dict[str, Any]], None] | None = None
     ) -> Loaded | None:
-        """Load the newest valid checkpoint into `strategy`; None when there is none.
+        """Load the newest valid checkpoint into `state`; None when there is none.
 
         `check(manifest)` runs on every rank before anything is loaded and may raise to refuse a
         checkpoint that does not fit this run (every rank sees the same manifest, so all refuse).
@@ -416,7 +469,7 @@ class Checkpointer:
             found = find_latest_valid(self.root)
             if found is not None:
                 chosen[0] = (str(found[0]), found[1])
-        dist.broadcast_object_list(chosen, src=0)
+        dist.broadcast_object_list(chosen, src=0, group=self.group)
         if chosen[0] is None:
             return None
         directory, manifest = Path(chosen[0][0]), chosen[0][1]
@@ -424,10 +477,10 @@ class Checkpointer:
             check(manifest)
         reader = ShardReader(directory, manifest)
         try:
-            strategy.load_state_shards(reader.fetch, manifest["extra_state"])
+            state.load(reader.fetch, manifest["extra_state"], reader.global_state())
             if manifest["world_size"] == self.world_size:
                 restore_rng_state(reader.rank_state(self.rank))
         finally:
             reader.close()
-        dist.barrier()
+        dist.barrier(group=self.group)
         return Loaded(directory, manifest, time.perf_counter() - started)

@@ -48,25 +48,47 @@ class TrainerConfig:
     # --- parallelism -------------------------------------------------------------------------
     strategy: str = _opt("ddp", "parallel strategy", choices=("ddp", "fsdp", "pipeline"))
     zero_stage: int = _opt(3, "ZeRO stage for --strategy fsdp: 1 optimizer state, 2 +gradients, 3 +params")
+    units: str | None = _opt(
+        None, "--strategy fsdp: comma-separated module names of the units (default: auto)"
+    )
+    zero3_prefetch: bool = _opt(True, "--strategy fsdp, ZeRO-3: gather the next unit while one computes")
     pipeline_stages: int = _opt(2, "pipeline stages for --strategy pipeline; WORLD_SIZE must be a multiple")
     microbatches: int = _opt(4, "micro-batches per step for --strategy pipeline")
     schedule: str = _opt("1f1b", "pipeline schedule", choices=("gpipe", "1f1b"))
+    split: str | None = _opt(None, "--strategy pipeline: comma-separated module names where stages 1.. begin")
+    bucket_mb: float = _opt(25.0, "--strategy ddp: gradient bucket size in MiB")
+    first_bucket_mb: float = _opt(1.0, "--strategy ddp: size of the first gradient bucket in MiB")
+    grad_compression: str = _opt(
+        "none", "--strategy ddp: gradients on the wire in this dtype", choices=("none", "bf16", "fp16")
+    )
+    grad_accum: int = _opt(1, "micro-steps per optimizer step (ddp, fsdp): the rank's batch cut in parts")
+    activation_checkpointing: bool = _opt(False, "recompute each block's activations in backward")
     collective: str = _opt(
         "auto",
-        "collective algorithm (native = torch's gloo)",
-        choices=("auto", "ring", "hd", "direct", "native"),  # = parallel.config.COLLECTIVES (a test checks)
+        "collective algorithm (native = torch's own: gloo, or NCCL on CUDA)",
+        choices=("auto", "ring", "hd", "direct", "native"),  # = parallel.comm.COLLECTIVES (a test checks)
+    )
+    device: str = _opt(
+        "auto", "where to compute: CUDA if available (auto), cpu, cuda", choices=("auto", "cpu", "cuda")
     )
     precision: str = _opt(
-        "fp32", "compute precision (bf16 keeps fp32 master weights)", choices=("fp32", "bf16")
+        "fp32",
+        "compute precision: bf16/fp16 autocast with fp32 master weights (fp16 with loss scaling)",
+        choices=("fp32", "bf16", "fp16"),
     )
+    peak_tflops: float = _opt(0.0, "device peak TFLOP/s for the MFU metric (0: from a table of known GPUs)")
     # --- model -------------------------------------------------------------------------------
-    model: str = _opt("gpt", "model architecture", choices=("gpt", "mlp"))
+    model: str = _opt("gpt", "gpt, mlp, or pkg.module:factory (a callable returning an nn.Module)")
     layers: int = _opt(2, "transformer blocks (gpt) or hidden layers (mlp)")
     dim: int = _opt(64, "model width")
     heads: int = _opt(4, "attention heads (gpt); must divide --dim")
     seq_len: int = _opt(64, "tokens (bytes) per sample")
     # --- data and optimisation ---------------------------------------------------------------
-    data: str | None = _opt(None, "file or directory of text files (default: Python's standard library)")
+    data: str | None = _opt(
+        None,
+        "file or directory of text files, or pkg.module:factory (a callable returning a map-style "
+        "dataset) (default: Python's standard library)",
+    )
     steps: int = _opt(200, "total optimizer steps of the run (resumed runs count from the checkpoint)")
     global_batch_size: int = _opt(16, "samples per step over all ranks; split evenly between replicas")
     lr: float = _opt(3e-3, "peak learning rate (AdamW)")
@@ -84,10 +106,15 @@ class TrainerConfig:
     log_file: str | None = _opt(None, "append the per-step JSON lines here instead of stdout")
     collective_timeout: float = _opt(60.0, "seconds a collective may wait for a peer before failing")
     rendezvous_timeout: float = _opt(300.0, "seconds to wait for the master and the whole gang at start")
+    step_gate: str | None = _opt(
+        None,
+        "tests: before step s, wait until this file holds a number >= s (lets a test act at a chosen step)",
+    )
     # --- the gang (torchrun-compatible environment, set by the operator) ------------------------
     rank: int = _opt(0, "this process's rank", env="RANK")
     world_size: int = _opt(1, "number of processes in the gang", env="WORLD_SIZE")
     local_rank: int = _opt(0, "rank on this machine (offsets --metrics-port)", env="LOCAL_RANK")
+    local_world_size: int = _opt(1, "processes on this machine", env="LOCAL_WORLD_SIZE")
     master_addr: str = _opt("127.0.0.1", "host of rank 0's rendezvous store", env="MASTER_ADDR")
     master_port: int = _opt(29500, "port of rank 0's rendezvous store", env="MASTER_PORT")
     generation: int = _opt(
@@ -132,10 +159,13 @@ class _OneLineParser(argparse.ArgumentParser):
 
 def _field_type(f: dataclasses.Field[Any]) -> type:
     text = str(f.type)
-    for name, kind in (("int", int), ("float", float)):
+    for name, kind in (("int", int), ("float", float), ("bool", bool)):
         if text.startswith(name):
             return kind
     return str
+
+
+_BOOLS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -159,9 +189,10 @@ def _convert(name: str, raw: str, source: str) -> Any:
     kind = _field_type(f)
     choices: Sequence[str] | None = f.metadata["choices"]
     try:
-        value: Any = kind(raw)
-    except ValueError:
-        raise ConfigError(f"{source}: expected {kind.__name__}, got {raw!r}") from None
+        value: Any = _BOOLS[raw.lower()] if kind is bool else kind(raw)
+    except (ValueError, KeyError):
+        expected = "true or false" if kind is bool else kind.__name__
+        raise ConfigError(f"{source}: expected {expected}, got {raw!r}") from None
     if choices is not None and value not in choices:
         raise ConfigError(f"{source}: unknown value {raw!r}; choose one of {', '.join(choices)}") from None
     return value
@@ -193,8 +224,22 @@ def validate(c: TrainerConfig) -> None:
         _require(getattr(c, name) >= 1, f"{_where(name)} must be at least 1, got {getattr(c, name)}")
     for name in ("warmup_steps", "checkpoint_every", "seed", "rank", "local_rank", "generation"):
         _require(getattr(c, name) >= 0, f"{_where(name)} must be 0 or more, got {getattr(c, name)}")
-    if c.data:
+    if c.data and not is_factory(c.data):
         _require(os.path.exists(c.data), f"{_where('data')} {c.data}: no such file or directory")
+    _require(
+        c.model in ("gpt", "mlp") or is_factory(c.model),
+        f"{_where('model')}: {c.model!r} is neither gpt, mlp nor pkg.module:factory",
+    )
+    _require(c.grad_accum >= 1, f"{_where('grad_accum')} must be at least 1, got {c.grad_accum}")
+    _require(
+        c.bucket_mb > 0 and c.first_bucket_mb > 0,
+        f"{_where('bucket_mb')} and {_where('first_bucket_mb')} must be positive",
+    )
+    _require(c.peak_tflops >= 0, f"{_where('peak_tflops')} must be 0 (look up) or positive")
+    _require(
+        c.grad_compression == "none" or c.strategy == "ddp",
+        f"{_where('grad_compression')} is for --strategy ddp only (use --precision bf16 for the others)",
+    )
     _require(c.keep_checkpoints >= 1, f"{_where('keep_checkpoints')} must be at least 1")
     _require(c.grad_clip >= 0, f"{_where('grad_clip')} must be 0 (off) or positive, got {c.grad_clip}")
     _require(c.lr > 0 and c.min_lr >= 0, f"{_where('lr')} must be > 0 and {_where('min_lr')} >= 0")
@@ -208,11 +253,22 @@ def validate(c: TrainerConfig) -> None:
     )
     if c.strategy == "fsdp":
         _require(c.zero_stage in (1, 2, 3), f"{_where('zero_stage')} must be 1, 2 or 3, got {c.zero_stage}")
+    if c.strategy == "pipeline":
+        _require(
+            c.grad_accum == 1, f"{_where('grad_accum')}: the pipeline's micro-batches already accumulate"
+        )
     if c.model == "gpt":
         _require(
             c.dim % c.heads == 0, f"{_where('dim')}={c.dim} must be divisible by {_where('heads')}={c.heads}"
         )
     replicas = c.world_size
+    per_rank = c.global_batch_size // max(1, c.world_size)
+    if c.strategy != "pipeline" and c.global_batch_size % c.world_size == 0:
+        _require(
+            per_rank % c.grad_accum == 0,
+            f"{_where('global_batch_size')}={c.global_batch_size} gives {per_rank} samples per rank, not "
+            f"divisible by {_where('grad_accum')}={c.grad_accum}",
+        )
     if c.strategy == "pipeline":
         _require(c.pipeline_stages >= 1, f"{_where('pipeline_stages')} must be at least 1")
         _require(
@@ -222,12 +278,13 @@ def validate(c: TrainerConfig) -> None:
         )
         _require(c.microbatches >= 1, f"{_where('microbatches')} must be at least 1")
         # The pipeline cuts the model's blocks: GPT = embedding + layers + head, MLP = embedding + layers.
-        blocks = c.layers + (2 if c.model == "gpt" else 1)
-        _require(
-            c.pipeline_stages <= blocks,
-            f"{_where('pipeline_stages')}={c.pipeline_stages} exceeds the {blocks} blocks of the model; "
-            f"raise {_where('layers')} or use fewer stages",
-        )
+        if c.model in ("gpt", "mlp") and not c.split:
+            blocks = c.layers + (2 if c.model == "gpt" else 1)
+            _require(
+                c.pipeline_stages <= blocks,
+                f"{_where('pipeline_stages')}={c.pipeline_stages} exceeds the {blocks} blocks of the model; "
+                f"raise {_where('layers')} or use fewer stages",
+            )
         replicas = c.world_size // c.pipeline_stages
     _require(
         c.global_batch_size % replicas == 0,
@@ -241,3 +298,14 @@ def validate(c: TrainerConfig) -> None:
             f"{_where('global_batch_size')}={c.global_batch_size} gives {per_replica} samples per replica, "
             f"not divisible by {_where('microbatches')}={c.microbatches}",
         )
+
+
+def is_factory(text: str) -> bool:
+    """Whether `text` names user code as pkg.module:callable."""
+    module, sep, name = text.partition(":")
+    return (
+        bool(sep)
+        and bool(module)
+        and name.isidentifier()
+        and all(p.isidentifier() for p in module.split("."))
+    )

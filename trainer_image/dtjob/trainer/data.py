@@ -9,10 +9,9 @@ files whose first 8 KiB contain a NUL byte are taken for binary and skipped.
 A sample is `seq_len + 1` consecutive bytes; the input is the first `seq_len`, the target the last
 `seq_len` (the next byte at every position); the vocabulary is the 256 byte values.
 
-Order: the start offsets of the `global_batch_size` samples of global step `s` (1-based) are drawn
-from numpy's PCG64 seeded with the pair (seed, s) and nothing else. So step s sees the same samples
-whatever the world size, a run resumed at step s needs no position beyond s itself, and data-parallel
-rank r of R takes rows [r * B/R, (r + 1) * B/R) of the global batch.
+Order: `GlobalBatchSampler` defines which samples every global step reads, for any map-style
+dataset (this corpus as `TokenWindows`, whose item i is the window starting at byte i, or a user's
+dataset): a function of (seed, step) only, so step s sees the same samples whatever the world size.
 """
 
 from __future__ import annotations
@@ -20,11 +19,13 @@ from __future__ import annotations
 import hashlib
 import os
 import sysconfig
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+from torch.utils.data import Dataset, Sampler
 
 VOCAB_SIZE = 256
 # Directories of the standard library that are not representative source (huge generated test
@@ -91,10 +92,10 @@ class Corpus:
         )
 
 
-class GlobalBatches:
-    """The samples of every global step, and each data-parallel rank's slice of them."""
+class TokenWindows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """The corpus as a map-style dataset: item i is (bytes [i, i + seq_len), the same shifted by one)."""
 
-    def __init__(self, corpus: Corpus, seq_len: int, global_batch_size: int, seed: int) -> None:
+    def __init__(self, corpus: Corpus, seq_len: int) -> None:
         if len(corpus.tokens) < seq_len + 2:
             raise DataError(
                 f"corpus {corpus.source} has {len(corpus.tokens)} bytes, "
@@ -102,32 +103,105 @@ class GlobalBatches:
             )
         self.corpus = corpus
         self.seq_len = seq_len
+
+    def __len__(self) -> int:
+        return len(self.corpus.tokens) - self.seq_len
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        window = torch.from_numpy(self.corpus.tokens[i : i + self.seq_len + 1].astype(np.int64))
+        return window[:-1], window[1:]
+
+
+class GlobalBatchSampler(Sampler[list[int]]):
+    """The samples of every global step of a map-style dataset, and this rank's part of them.
+
+    Global step s (1-based) takes `global_batch_size` indices that depend on (seed, s) alone, so
+    step s reads the same samples whatever the world size, and a run resumed at step s needs no
+    position beyond s itself. Data-parallel rank r of R takes rows [r * B/R, (r + 1) * B/R).
+
+    shuffle="epoch": the index stream is one permutation of the dataset per epoch (seeded by
+        (seed, epoch)) laid end to end; step s takes items [(s-1) * B, s * B) of it.
+    shuffle="replacement": step s draws B indices uniformly (seeded by (seed, s)): for datasets
+        too large to permute, such as every offset of a text corpus.
+
+    As a torch `Sampler` (DataLoader(dataset, batch_sampler=sampler)) it yields this rank's
+    indices for steps start_step + 1 .. steps.
+    """
+
+    def __init__(
+        self,
+        size: int,
+        global_batch_size: int,
+        *,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        seed: int = 0,
+        shuffle: str = "epoch",
+        steps: int | None = None,
+    ) -> None:
+        if size < 1:
+            raise DataError("the dataset is empty")
+        if shuffle not in ("epoch", "replacement"):
+            raise ValueError(f"GlobalBatchSampler: shuffle must be 'epoch' or 'replacement', got {shuffle!r}")
+        if global_batch_size < 1 or global_batch_size % dp_size:
+            raise ValueError(
+                f"global batch size {global_batch_size} is not divisible by the {dp_size} data-parallel "
+                f"replicas; use a multiple of {dp_size}"
+            )
+        self.size = size
         self.global_batch_size = global_batch_size
+        self.dp_rank, self.dp_size = dp_rank, dp_size
         self.seed = seed
+        self.shuffle = shuffle
+        self.steps = steps
+        self.start_step = 0
+        self._epoch: tuple[int, np.ndarray] | None = None
 
-    def offsets(self, step: int) -> np.ndarray:
-        """Start offsets of the global batch of `step`; a function of (seed, step) only."""
-        rng = np.random.Generator(np.random.PCG64([self.seed, step]))
-        last_start = len(self.corpus.tokens) - (self.seq_len + 1)
-        return rng.integers(0, last_start + 1, size=self.global_batch_size, dtype=np.int64)
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if self._epoch is None or self._epoch[0] != epoch:
+            rng = np.random.Generator(np.random.PCG64([self.seed, epoch]))
+            self._epoch = (epoch, rng.permutation(self.size))
+        return self._epoch[1]
 
-    def batch(self, step: int, dp_rank: int, dp_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs, targets) of this rank's rows of step `step`, each int64 [B / dp_size, seq_len]."""
-        if self.global_batch_size % dp_size != 0:
-            raise ValueError(f"global batch {self.global_batch_size} not divisible by {dp_size} replicas")
-        per_rank = self.global_batch_size // dp_size
-        starts = self.offsets(step)[dp_rank * per_rank : (dp_rank + 1) * per_rank]
-        windows = np.stack([self.corpus.tokens[s : s + self.seq_len + 1] for s in starts])
-        rows = torch.from_numpy(windows.astype(np.int64))
-        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+    def global_indices(self, step: int) -> np.ndarray:
+        """The dataset indices of global step `step` (1-based), in row order."""
+        if step < 1:
+            raise ValueError(f"steps count from 1, got {step}")
+        B = self.global_batch_size
+        if self.shuffle == "replacement":
+            rng = np.random.Generator(np.random.PCG64([self.seed, step]))
+            return rng.integers(0, self.size, size=B, dtype=np.int64)
+        first = (step - 1) * B
+        out = np.empty(B, dtype=np.int64)
+        filled = 0
+        while filled < B:
+            epoch, at = divmod(first + filled, self.size)
+            take = min(B - filled, self.size - at)
+            out[filled : filled + take] = self._permutation(epoch)[at : at + take]
+            filled += take
+        return out
+
+    def indices(self, step: int) -> list[int]:
+        """This data-parallel rank's indices of global step `step`."""
+        per_rank = self.global_batch_size // self.dp_size
+        rows = self.global_indices(step)[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]
+        return [int(i) for i in rows]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        if self.steps is None:
+            raise ValueError("GlobalBatchSampler: give steps= to iterate it as a batch sampler")
+        for step in range(self.start_step + 1, self.steps + 1):
+            yield self.indices(step)
+
+    def __len__(self) -> int:
+        return 0 if self.steps is None else max(0, self.steps - self.start_step)
 
     def position(self, next_step: int) -> dict[str, object]:
         """What a checkpoint records so a resumed run can check it continues the same stream."""
         return {
             "next_step": next_step,
             "seed": self.seed,
-            "seq_len": self.seq_len,
             "global_batch_size": self.global_batch_size,
-            "corpus_fingerprint": self.corpus.fingerprint,
-            "corpus_source": self.corpus.source,
+            "dataset_size": self.size,
+            "shuffle": self.shuffle,
         }

@@ -8,9 +8,13 @@ from an earlier generation (or one that reached a newer gang's master) stops the
 a per-generation key prefix, and an all-gather of (generation, world size) right after it is
 created checks the whole gang once more.
 
-Timeouts: reaching the master and waiting for the whole gang may take `--rendezvous-timeout`
+Timeouts: reaching the master and waiting for the whole gang may take `rendezvous_timeout`
 (pods start at different times, DNS names appear late); every collective afterwards fails after
-`--collective-timeout`, so a lost peer makes the survivors exit non-zero instead of hanging.
+`collective_timeout`, so a lost peer makes the survivors exit non-zero instead of hanging.
+
+On CUDA the default group is NCCL (tensors) and a gloo group over the same ranks sits beside it
+(`parallel.comm.control_group`) for what the runtime agrees on in CPU memory: stop requests,
+checkpoint indexes, Python objects.
 """
 
 from __future__ import annotations
@@ -18,15 +22,58 @@ from __future__ import annotations
 import os
 import socket
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from dtjob.trainer.config import TrainerConfig
+from dtjob import contract
+from dtjob.trainer.parallel.comm import control_group
 
 _GENERATION_KEY = "dtjob/generation"
 _RESOLVE_RETRY_SECONDS = 0.5
+
+
+@dataclass(frozen=True)
+class Gang:
+    """Who this process is in its gang, as the operator's (and torchrun's) environment says."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    generation: int = 0
+    rendezvous_timeout: float = 300.0
+    collective_timeout: float = 60.0
+
+    @classmethod
+    def from_env(cls, environ: os._Environ[str] | dict[str, str] | None = None, **overrides: object) -> Gang:
+        env = os.environ if environ is None else environ
+
+        def number(name: str, default: int) -> int:
+            raw = env.get(name, "")
+            try:
+                return int(raw) if raw != "" else default
+            except ValueError:
+                raise RendezvousError(f"environment variable {name}={raw!r} is not an integer") from None
+
+        values: dict[str, object] = {
+            "rank": number(contract.ENV_RANK, 0),
+            "world_size": number(contract.ENV_WORLD_SIZE, 1),
+            "local_rank": number(contract.ENV_LOCAL_RANK, 0),
+            "local_world_size": number(contract.ENV_LOCAL_WORLD_SIZE, 1),
+            "master_addr": env.get(contract.ENV_MASTER_ADDR) or "127.0.0.1",
+            "master_port": number(contract.ENV_MASTER_PORT, 29500),
+            "generation": number(contract.ENV_GENERATION, 0),
+        }
+        values.update(overrides)
+        gang = cls(**values)  # type: ignore[arg-type]
+        if not 0 <= gang.rank < gang.world_size:
+            raise RendezvousError(f"RANK={gang.rank} must be in [0, WORLD_SIZE={gang.world_size})")
+        return gang
 
 
 class RendezvousError(Exception):
@@ -51,7 +98,7 @@ def _resolve_until(host: str, deadline: float) -> None:
             time.sleep(_RESOLVE_RETRY_SECONDS)
 
 
-def _connect_store(c: TrainerConfig) -> dist.TCPStore:
+def _connect_store(c: Gang) -> dist.TCPStore:
     deadline = time.monotonic() + c.rendezvous_timeout
     _resolve_until(c.master_addr, deadline)
     agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
@@ -78,7 +125,7 @@ def _connect_store(c: TrainerConfig) -> dist.TCPStore:
         ) from None
 
 
-def _check_generation(store: dist.Store, c: TrainerConfig) -> None:
+def _check_generation(store: dist.Store, c: Gang) -> None:
     if c.rank == 0:
         store.set(_GENERATION_KEY, str(c.generation))
         return
@@ -96,31 +143,35 @@ def _check_generation(store: dist.Store, c: TrainerConfig) -> None:
         )
 
 
-def init_process_group(c: TrainerConfig) -> None:
-    """Create the default gloo process group for this gang, or a one-process group."""
+def init_process_group(c: Gang, backend: str = "gloo") -> dist.Store | None:
+    """Create the default process group for this gang (a one-process group at world size 1), and
+    the gloo group beside an NCCL one; returns the rendezvous store (None at world size 1)."""
     pg_timeout = timedelta(seconds=c.collective_timeout)
     if c.world_size == 1:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=pg_timeout)
-        return
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=pg_timeout)
+        control_group()
+        return None
     store = _connect_store(c)
     _check_generation(store, c)
     gang_store = dist.PrefixStore(f"dtjob/g{c.generation}/ws{c.world_size}", store)
     dist.init_process_group(
-        "gloo", store=gang_store, rank=c.rank, world_size=c.world_size, timeout=pg_timeout
+        backend, store=gang_store, rank=c.rank, world_size=c.world_size, timeout=pg_timeout
     )
+    group = control_group()
     mine = torch.tensor([c.generation, c.world_size], dtype=torch.int64)
     everyone = [torch.empty_like(mine) for _ in range(c.world_size)]
-    dist.all_gather(everyone, mine)
+    dist.all_gather(everyone, mine, group=group)
     for rank, theirs in enumerate(everyone):
         if not torch.equal(theirs, mine):
             raise StaleGenerationError(
                 f"rank {rank} is generation {int(theirs[0])} with WORLD_SIZE={int(theirs[1])}, this worker "
                 f"generation {c.generation} with WORLD_SIZE={c.world_size}; refusing to train"
             )
+    return store
 
 
 def agree(flag: bool) -> bool:
-    """True on every rank if it is True on any rank (one tiny all-reduce, MAX)."""
+    """True on every rank if it is True on any rank (one tiny all-reduce, MAX, on the CPU)."""
     t = torch.tensor([1 if flag else 0], dtype=torch.int32)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=control_group())
     return bool(t.item())

@@ -1,244 +1,181 @@
-"""The training loop: load the newest checkpoint, train step by step, checkpoint, stop on request.
+"""The built-in trainer (`python -m dtjob.trainer`): one user of dtjob's public API.
 
-Per step s (1-based): set the learning rate of s, read this rank's slice of global batch s, run
-one optimizer step, agree with the other ranks on whether to stop, report, and checkpoint when
-s is a multiple of --checkpoint-every, the last step, or the step a stop was agreed after.
+It builds the model named by --model (dtjob's GPT or MLP, or the user's factory), wraps it as
+--strategy says (data_parallel, fully_shard or pipeline), trains it with AdamW and a warm-up +
+cosine LambdaLR in an ordinary loop, and leaves the elastic contract to `ElasticSession`: the
+gang, checkpoints, resume at any world size, the global data order, SIGTERM -> exit 75, metrics.
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
 import logging
 import math
-import random
-import sys
 import time
-from contextlib import AbstractContextManager, nullcontext
-from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from dtjob import contract
-from dtjob.trainer import build, elastic
-from dtjob.trainer.checkpoint import Checkpointer, Loaded
-from dtjob.trainer.comm_metrics import instrument_comm
+from dtjob.trainer import build
 from dtjob.trainer.config import ConfigError, TrainerConfig
-from dtjob.trainer.data import Corpus, DataError, GlobalBatches
-from dtjob.trainer.metrics import TrainerMetrics
-from dtjob.trainer.parallel import TrainStrategy, parallelize
+from dtjob.trainer.elastic import Gang
+from dtjob.trainer.flops import flops_per_token, peak_flops
 from dtjob.trainer.schedule import WarmupCosine
-from dtjob.trainer.signals import EXIT_STOPPED, StopRequest
+from dtjob.trainer.session import ElasticSession
 
 log = logging.getLogger("dtjob.trainer")
-
-EXIT_OK = contract.EXIT_OK
 
 # Flags a checkpoint must agree with to be loadable: they decide the tensors' names and shapes.
 _MODEL_FLAGS = ("model", "layers", "dim", "heads", "seq_len")
 # Flags that change the data stream: a resume with other values continues, but not the same run.
-_DATA_FLAGS = ("seed", "seq_len", "global_batch_size")
+_DATA_FLAGS = ("seed", "seq_len", "global_batch_size", "data")
 
 
-class Trainer:
-    def __init__(self, c: TrainerConfig, stop: StopRequest, metrics: TrainerMetrics) -> None:
-        self.c = c
-        self.stop = stop
-        self.metrics = metrics
-        self.corpus = self._load_corpus()
-        self.batches = GlobalBatches(self.corpus, c.seq_len, c.global_batch_size, c.seed)
-        self.schedule = WarmupCosine(c.lr, c.min_lr, c.warmup_steps, c.steps)
-        self.checkpointer = (
-            Checkpointer(Path(c.checkpoint_dir), c.rank, c.world_size, c.generation, c.keep_checkpoints)
-            if c.checkpoint_dir
-            else None
-        )
-        self.strategy: TrainStrategy | None = None
-        self.last_saved_step = -1
-        self.last_saved_time = 0.0  # unix seconds of the checkpoint at last_saved_step
+def _gang(c: TrainerConfig) -> Gang:
+    return Gang(
+        rank=c.rank,
+        world_size=c.world_size,
+        local_rank=c.local_rank,
+        local_world_size=c.local_world_size,
+        master_addr=c.master_addr,
+        master_port=c.master_port,
+        generation=c.generation,
+        rendezvous_timeout=c.rendezvous_timeout,
+        collective_timeout=c.collective_timeout,
+    )
 
-    def _load_corpus(self) -> Corpus:
-        try:
-            corpus = Corpus.load(self.c.data)
-            GlobalBatches(corpus, self.c.seq_len, self.c.global_batch_size, self.c.seed)
-        except (DataError, OSError) as err:
-            raise ConfigError(f"{err} (--data, env DTJOB_DATA)") from None
-        log.info("corpus %s: %d files, %d bytes", corpus.source, corpus.files, len(corpus.tokens))
-        return corpus
 
-    # -- start ----------------------------------------------------------------------------------
-    def _check_same_corpus(self) -> None:
-        prints: list[Any] = [None] * self.c.world_size
-        dist.all_gather_object(prints, self.corpus.fingerprint)
-        if len(set(prints)) != 1:
-            raise RuntimeError(
-                f"ranks read different corpora (sha256 prefixes {sorted({p[:12] for p in prints})}); "
-                "every worker needs the same --data"
-            )
-
-    def _check_resumable(self, manifest: dict[str, Any]) -> None:
-        theirs = manifest.get("config", {})
-        for name in _MODEL_FLAGS:
-            if name in theirs and theirs[name] != getattr(self.c, name):
-                raise ConfigError(
-                    f"checkpoint step {manifest['step']} was written with --{name.replace('_', '-')}="
-                    f"{theirs[name]}, this run has {getattr(self.c, name)}; use the same model flags "
-                    "or another --checkpoint-dir"
-                )
-        pipelines = {"pipeline"} & {theirs.get("strategy"), self.c.strategy}
-        if pipelines and (theirs.get("strategy"), theirs.get("pipeline_stages")) != (
-            self.c.strategy,
-            self.c.pipeline_stages,
-        ):
+def _check_resumable(c: TrainerConfig, manifest: dict[str, Any]) -> None:
+    theirs = manifest.get("config", {})
+    for name in _MODEL_FLAGS:
+        if name in theirs and theirs[name] != getattr(c, name):
             raise ConfigError(
-                f"checkpoint step {manifest['step']} is from --strategy {theirs.get('strategy')} with "
-                f"{theirs.get('pipeline_stages')} stages; a pipeline checkpoint loads only with the same "
-                "--strategy and --pipeline-stages"
+                f"checkpoint step {manifest['step']} was written with --{name.replace('_', '-')}="
+                f"{theirs[name]}, this run has {getattr(c, name)}; use the same model flags or another "
+                "--checkpoint-dir"
             )
-        changed = [n for n in _DATA_FLAGS if n in theirs and theirs[n] != getattr(self.c, n)]
-        if manifest["data"]["corpus_fingerprint"] != self.corpus.fingerprint:
-            changed.append("data (corpus content)")
-        if changed:
-            log.warning("resuming with different %s: the data stream is not the original run's", changed)
-
-    def _resume(self, strategy: TrainStrategy) -> int:
-        if self.checkpointer is None:
-            return 0
-        loaded: Loaded | None = self.checkpointer.load_latest(strategy, self._check_resumable)
-        if loaded is None:
-            log.info("no checkpoint in %s; starting at step 1", self.checkpointer.root)
-            return 0
-        step = loaded.step
-        if loaded.manifest["world_size"] != self.c.world_size:
-            # Per-rank random streams cannot be carried across world sizes; derive fresh ones.
-            seed = int(np.random.SeedSequence([self.c.seed, step, self.c.rank]).generate_state(1)[0])
-            torch.manual_seed(seed)
-            random.seed(seed)
-        self.last_saved_step = step
-        self.last_saved_time = float(loaded.manifest["time"])
-        self.metrics.checkpoint_load_seconds.set(loaded.seconds)
-        self.metrics.last_checkpoint_step.set(step)
-        self.metrics.last_checkpoint_timestamp.set(loaded.manifest["time"])
-        self.metrics.step.set(step)
-        log.info(
-            "resumed from %s (written at world size %d, generation %d) in %.2fs",
-            loaded.directory,
-            loaded.manifest["world_size"],
-            loaded.manifest["generation"],
-            loaded.seconds,
+    pipelines = {"pipeline"} & {theirs.get("strategy"), c.strategy}
+    if pipelines and (theirs.get("strategy"), theirs.get("pipeline_stages")) != (
+        c.strategy,
+        c.pipeline_stages,
+    ):
+        raise ConfigError(
+            f"checkpoint step {manifest['step']} is from --strategy {theirs.get('strategy')} with "
+            f"{theirs.get('pipeline_stages')} stages; a pipeline checkpoint loads only with the same "
+            "--strategy and --pipeline-stages"
         )
-        return step
+    changed = [n for n in _DATA_FLAGS if n in theirs and theirs[n] != getattr(c, n)]
+    if changed:
+        log.warning("resuming with different %s: the data stream is not the original run's", changed)
 
-    # -- steps ----------------------------------------------------------------------------------
-    def _save(self, step: int) -> None:
-        if self.checkpointer is None or self.strategy is None or step == self.last_saved_step:
-            return
-        started = time.perf_counter()
-        meta = {
-            "strategy": self.c.strategy,
-            "pipeline_stages": self.c.pipeline_stages if self.c.strategy == "pipeline" else 1,
-            "schedule": self.schedule.to_dict(),
-            "data": self.batches.position(step + 1),
-            "config": self.c.to_dict(),
-        }
-        path = self.checkpointer.save(step, self.strategy, meta)
-        seconds = time.perf_counter() - started
-        self.last_saved_step = step
-        self.last_saved_time = time.time()
-        self.metrics.checkpoint_save_seconds.set(seconds)
-        self.metrics.last_checkpoint_step.set(step)
-        self.metrics.last_checkpoint_timestamp.set(self.last_saved_time)
-        self.metrics.checkpoints_saved.inc()
-        log.info("checkpoint %s written in %.2fs", path, seconds)
 
-    def _report(self, out: TextIO, step: int, loss: float, lr: float, seconds: float) -> None:
-        samples_per_s = self.c.global_batch_size / seconds
-        tokens_per_s = samples_per_s * self.c.seq_len
-        m = self.metrics
-        m.step.set(step)
-        m.loss.set(loss)
-        m.learning_rate.set(lr)
-        m.samples_per_second.set(samples_per_s)
-        m.tokens_per_second.set(tokens_per_s)
-        if self.c.rank != 0:
-            return
-        record = {
-            "step": step,
-            "loss": loss,
-            "lr": lr,
-            "world_size": self.c.world_size,
-            "generation": self.c.generation,
-            "samples_per_s": round(samples_per_s, 3),
-            "tokens_per_s": round(tokens_per_s, 1),
-            "step_seconds": round(seconds, 6),
-        }
-        out.write(json.dumps(record) + "\n")
-        out.flush()
-        print(
-            f"step {step}/{self.c.steps}  loss {loss:.4f}  lr {lr:.2e}  {samples_per_s:.1f} samples/s  "
-            f"world {self.c.world_size}  gen {self.c.generation}",
-            file=sys.stderr,
-            flush=True,
+def _check_same_data(session: ElasticSession, fingerprint: str) -> None:
+    prints: list[Any] = [None] * session.world_size
+    dist.all_gather_object(prints, fingerprint, group=session.group)
+    if len(set(prints)) != 1:
+        raise ConfigError(
+            f"ranks read different data (fingerprints {sorted({str(p)[:12] for p in prints})}); every worker "
+            "needs the same --data"
         )
 
-    def run(self, out: TextIO) -> int:
-        c = self.c
-        elastic.init_process_group(c)
-        # Until the gang exists a SIGTERM kills at once (there is nothing to save, and the wait for
-        # peers is a C++ call a Python handler could not interrupt); from here on it means "finish
-        # the step, checkpoint, exit 75".
-        self.stop.install()
-        self._check_same_corpus()
-        instrument_comm(self.metrics)
-        strategy = parallelize(build.build_model(c), build.parallel_config(c), build.optimizer_factory(c))
-        self.strategy = strategy
-        start = self._resume(strategy)
-        if start >= c.steps:
-            log.info("checkpoint step %d is already at --steps %d; nothing to do", start, c.steps)
-            self._log_complete()
-            return EXIT_OK
-        if elastic.agree(self.stop.requested):
-            log.info("stop requested before the first step; the newest checkpoint stays at step %d", start)
-            return EXIT_STOPPED
-        for step in range(start + 1, c.steps + 1):
-            lr = self.schedule.lr_at(step)
-            strategy.set_lr(lr)
-            inputs, targets = self.batches.batch(
-                step, strategy.data_parallel_rank, strategy.data_parallel_size
-            )
-            started = time.perf_counter()
-            loss = strategy.train_step(inputs, targets)
-            stopping = elastic.agree(self.stop.requested)
-            seconds = time.perf_counter() - started
-            if not math.isfinite(loss):
-                raise FloatingPointError(f"loss is {loss} at step {step}; lower --lr or check the data")
-            self._report(out, step, loss, lr, seconds)
-            if stopping or step == c.steps or (c.checkpoint_every > 0 and step % c.checkpoint_every == 0):
-                self._save(step)
-            if stopping:
-                if self.checkpointer is None:
-                    log.warning("stopping at step %d without a checkpoint: no --checkpoint-dir", step)
-                log.info("stopped after step %d on %s; exit %d", step, self.stop.signal_name, EXIT_STOPPED)
-                return EXIT_STOPPED
-        self._log_complete()
-        return EXIT_OK
 
-    def _log_complete(self) -> None:
-        """The operator reads this line from rank 0's log once it exited (its metrics endpoint is
-        gone by then): the final step and the last checkpoint (operator/dtjob/operator/kube.py).
-        Also written by a generation that found the work already done (a gang restarted just as
-        its predecessor finished), so the job's final step is never a stale scrape."""
-        if self.last_saved_step > 0:
-            log.info(contract.complete_line(self.c.steps, self.last_saved_step, self.last_saved_time))
+def train(c: TrainerConfig) -> None:
+    """Train until --steps (returns) or until a stop was agreed (raises session.Stopped)."""
+    session = ElasticSession(
+        checkpoint_dir=c.checkpoint_dir,
+        checkpoint_every=c.checkpoint_every,
+        keep_checkpoints=c.keep_checkpoints,
+        device=c.device,
+        metrics_port=c.metrics_port,
+        seed=c.seed,
+        log_file=c.log_file,
+        gang=_gang(c),
+        config=c.to_dict(),
+        step_gate=c.step_gate,
+    )
+    try:
+        _train(session, c)
+    finally:
+        session.close()
+
+
+def _train(session: ElasticSession, c: TrainerConfig) -> None:
+    dataset, fingerprint, shuffle = build.build_dataset(c)
+    _check_same_data(session, fingerprint)
+    model = build.build_model(c).to(session.device)
+    dims = {n: p.dim() for n, p in model.named_parameters()}
+    n_params = sum(p.numel() for p in model.parameters())
+    model_flops = flops_per_token(n_params)
+    wrapped = build.wrap(model, c)
+    optimizer = build.optimizer(wrapped, dims, c)
+    schedule = WarmupCosine(c.lr, c.min_lr, c.warmup_steps, c.steps)
+    # LambdaLR's k counts optimizer steps from 0: step s (1-based) runs at lr_at(s).
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: schedule.lr_at(k + 1) / c.lr)
+    session.track(wrapped, optimizer, scheduler)
+    sampler = session.batch_sampler(dataset, c.global_batch_size, shuffle=shuffle)
+    session.resume(check=lambda manifest: _check_resumable(c, manifest))
+    scaler = _grad_scaler(c, session)
+    peak = peak_flops(session.device, c.precision, c.peak_tflops)
+    is_pipeline = c.strategy == "pipeline"
+    for step in session.steps(c.steps):
+        lr = optimizer.param_groups[0]["lr"]
+        x, y = build.inputs_and_targets([dataset[i] for i in sampler.indices(step)])
+        x, y = session.to_device(x), session.to_device(y)
+        if is_pipeline:
+            loss: torch.Tensor | float = wrapped.step(x, y)  # type: ignore[operator]
         else:
-            log.info(contract.complete_line(self.c.steps))
+            loss = _forward_backward(wrapped, x, y, c.grad_accum, scaler)
+        if c.grad_clip > 0:
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(wrapped.parameters(), c.grad_clip)
+        scaler.step(optimizer)
+        scaler.update()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        seconds = time.perf_counter() - session._step_started
+        tokens_per_s = c.global_batch_size * c.seq_len / seconds
+        fields: dict[str, Any] = {"lr": lr, "tokens_per_s": round(tokens_per_s, 1)}
+        if peak:
+            fields["mfu"] = round(model_flops * tokens_per_s / (peak * session.world_size), 4)
+        value = session.report(loss, **fields)
+        if not math.isfinite(value):
+            raise FloatingPointError(f"loss is {value} at step {step}; lower --lr or check the data")
+        if session.rank == 0:
+            log.info(
+                "step %d/%d  loss %.4f  lr %.2e  %.0f tokens/s  world %d  gen %d",
+                step,
+                c.steps,
+                value,
+                lr,
+                tokens_per_s,
+                session.world_size,
+                session.generation,
+            )
 
 
-def open_output(c: TrainerConfig) -> AbstractContextManager[TextIO]:
-    """Where rank 0's JSON lines go: --log-file (appended) or stdout."""
-    if c.log_file and c.rank == 0:
-        Path(c.log_file).parent.mkdir(parents=True, exist_ok=True)
-        return open(c.log_file, "a", encoding="utf-8")
-    return nullcontext(sys.stdout)
+def _grad_scaler(c: TrainerConfig, session: ElasticSession) -> torch.amp.GradScaler:
+    """fp16's dynamic loss scaling (a no-op otherwise). Sharded gradients (ZeRO, pipeline stages)
+    need every rank to agree whether any of them overflowed: torch's ShardedGradScaler all-reduces
+    that finding, so all ranks skip the same steps."""
+    enabled = c.precision == "fp16"
+    if c.strategy == "ddp" or not enabled:
+        return torch.amp.GradScaler(session.device.type, enabled=enabled)
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    return ShardedGradScaler(session.device.type, enabled=enabled)
+
+
+def _forward_backward(
+    model: Any, x: torch.Tensor, y: torch.Tensor, parts: int, scaler: torch.amp.GradScaler
+) -> torch.Tensor:
+    """This rank's mean loss over `parts` micro-steps; gradients reduced after the last only."""
+    total = torch.zeros((), device=x.device)
+    chunks = list(zip(x.chunk(parts), y.chunk(parts), strict=True))
+    for i, (xi, yi) in enumerate(chunks):
+        accumulate = i < len(chunks) - 1
+        with model.no_sync() if accumulate else contextlib.nullcontext():
+            loss = build.lm_loss(model(xi), yi) / parts
+            scaler.scale(loss).backward()
+        total += loss.detach()
+    return total

@@ -46,6 +46,28 @@ class TrainerMetrics:
         self.checkpoint_load_seconds = Gauge(
             "dtjob_trainer_checkpoint_load_seconds", "duration of the checkpoint load at start", registry=r
         )
+        self.step_seconds = Gauge("dtjob_trainer_step_seconds", "wall time of the last step", registry=r)
+        self.model_flops_utilization = Gauge(
+            "dtjob_trainer_model_flops_utilization",
+            "model FLOPs per second of the last step over the device's peak (0..1; absent when unknown)",
+            registry=r,
+        )
+        gpu = ("device",)
+        self.gpu_memory_allocated = Gauge(
+            "dtjob_trainer_gpu_memory_allocated_bytes", "GPU memory held by tensors", gpu, registry=r
+        )
+        self.gpu_memory_reserved = Gauge(
+            "dtjob_trainer_gpu_memory_reserved_bytes",
+            "GPU memory held by the caching allocator",
+            gpu,
+            registry=r,
+        )
+        self.gpu_memory_peak = Gauge(
+            "dtjob_trainer_gpu_memory_peak_bytes",
+            "most GPU memory held by tensors since the start",
+            gpu,
+            registry=r,
+        )
         self.checkpoints_saved = Counter("dtjob_trainer_checkpoints_saved", "checkpoints written", registry=r)
         labels = ("op", "algorithm")
         self.collective_bytes = Counter(
@@ -72,6 +94,15 @@ class TrainerMetrics:
         """Serve /metrics on all interfaces from a daemon thread."""
         start_http_server(port, registry=self.registry)
         self.port = port
+
+    def observe_gpu_memory(self, device: object) -> None:
+        """Allocated, reserved and peak memory of a CUDA device (reads counters, no synchronisation)."""
+        import torch
+
+        label = str(device)
+        self.gpu_memory_allocated.labels(label).set(torch.cuda.memory_allocated(device))  # type: ignore[arg-type]
+        self.gpu_memory_reserved.labels(label).set(torch.cuda.memory_reserved(device))  # type: ignore[arg-type]
+        self.gpu_memory_peak.labels(label).set(torch.cuda.max_memory_allocated(device))  # type: ignore[arg-type]
 
     def observe_collective(self, op: str, algorithm: str, nbytes: int, seconds: float) -> None:
         self.collective_bytes.labels(op, algorithm).inc(nbytes)

@@ -19,7 +19,8 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from dtjob.trainer.parallel.config import COLLECTIVES
+# The values of every wrapper's `collective=`: dtjob's algorithms, or torch's own collectives.
+COLLECTIVES = ("auto", "ring", "hd", "direct", "native")
 
 
 class Handle(Protocol):
@@ -43,6 +44,9 @@ class Comm:
         self.group = group
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
+        # Where this group's tensors live: NCCL only moves CUDA tensors.
+        nccl = dist.get_backend(group) == "nccl"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         self._ops: Any = dist
         self._extra: dict[str, str] = {}
         if algorithm != "native":
@@ -102,18 +106,33 @@ class Comm:
         )
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int, async_op: bool = False) -> Handle:
-        """Point-to-point send to default-group rank `dst` (torch's own p2p whatever the algorithm)."""
+        """Point-to-point send to default-group rank `dst` over this group (torch's own p2p
+        whatever the algorithm)."""
         if async_op:
-            return self._handle(dist.isend(tensor, dst, tag=tag))
-        dist.send(tensor, dst, tag=tag)
+            return self._handle(dist.isend(tensor, dst, group=self.group, tag=tag))
+        dist.send(tensor, dst, group=self.group, tag=tag)
         return _Done()
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int) -> None:
         """Blocking point-to-point receive from default-group rank `src` into `tensor`."""
-        dist.recv(tensor, src, tag=tag)
+        dist.recv(tensor, src, group=self.group, tag=tag)
 
-    def all_reduce_mean_scalar(self, value: float) -> float:
-        """The mean of a Python float over the group (fp64 on the wire)."""
-        t = torch.tensor([value], dtype=torch.float64)
-        self.all_reduce_sum(t)
-        return float(t.item()) / self.size
+
+_CONTROL: dict[int, dist.ProcessGroup] = {}
+
+
+def control_group() -> dist.ProcessGroup | None:
+    """A gloo group over the whole world for CPU tensors and Python objects (agreements,
+    checkpoint indexes), or None where the default group is gloo already.
+
+    Created on first use, which is collective: every rank must reach its first call at the same
+    point (the wrappers and ElasticSession call it in their constructors)."""
+    if dist.get_backend() == "gloo":
+        return None
+    world = dist.group.WORLD
+    key = id(world)
+    if key not in _CONTROL:
+        group = dist.new_group(backend="gloo")
+        assert isinstance(group, dist.ProcessGroup)
+        _CONTROL[key] = group
+    return _CONTROL[key]

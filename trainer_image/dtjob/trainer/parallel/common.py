@@ -1,92 +1,132 @@
-"""Pieces every strategy shares: loss, batch slicing, precision, activation checkpointing,
-gradient clipping and the checkpoint format of replicated (not sharded) state."""
+"""Pieces every wrapper shares: the wrapper base class, model structure, buffers, precision and
+activation checkpointing."""
 
 from __future__ import annotations
 
 import contextlib
-import math
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from dtjob.trainer.parallel.comm import Comm
-from dtjob.trainer.parallel.config import ParallelConfig
-from dtjob.trainer.parallel.state import FetchRange, FlatShard
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over every position: logits (..., classes), integer targets (...)."""
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+class Wrapper(nn.Module):
+    """A module that trains `self.module` across ranks and is used in place of it.
 
-
-def blocks_in_order(model: nn.Module) -> list[nn.Module]:
-    """The model as a sequence of blocks whose composition is `model.forward`.
-
-    `model.blocks_in_order()` if the model defines it (dtjob's GPT and MLP do), else the children
-    of an `nn.Sequential`.
+    Attribute lookups it does not answer go to the wrapped module (`wrapped.config`,
+    `wrapped.generate`), and parameter and state-dict names are the wrapped module's own, without a
+    "module." prefix. Moving or casting a wrapper (`.to()`, `.cuda()`, `.half()`) is refused: its
+    communication buffers alias the parameters, so move the model before wrapping it.
     """
+
+    module: nn.Module
+    comm: Comm
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "module":
+                raise
+            return getattr(self.module, name)
+
+    def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> Any:
+        raise RuntimeError(
+            f"{type(self).__name__}: moving or casting a wrapped model (.to(), .cuda(), .half(), ...) is "
+            "not supported; move the model to its device and dtype before wrapping it"
+        )
+
+    def extra_repr(self) -> str:
+        return f"world={self.comm.size}, collective={self.comm.algorithm!r}"
+
+
+def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Buffers that belong in a state dict (those registered with persistent=True), by name."""
+    out: dict[str, torch.Tensor] = {}
+    for prefix, sub in module.named_modules():
+        for name, buf in sub.named_buffers(recurse=False):
+            if buf is not None and name not in sub._non_persistent_buffers_set:
+                out[f"{prefix}.{name}" if prefix else name] = buf
+    return out
+
+
+def blocks_in_order(model: nn.Module) -> list[nn.Module] | None:
+    """The model as a sequence of blocks, where it says so: `model.blocks_in_order()` (dtjob's
+    models define it) or the children of an `nn.Sequential`; None otherwise."""
     method = getattr(model, "blocks_in_order", None)
     if callable(method):
         blocks = list(method())
-    elif isinstance(model, nn.Sequential):
-        blocks = list(model)
-    else:
-        raise TypeError(
-            f"{type(model).__name__} is not a sequence of blocks: give it a blocks_in_order() method "
-            "returning the modules whose composition is forward(), or use nn.Sequential"
-        )
-    if not blocks:
-        raise ValueError(f"{type(model).__name__}.blocks_in_order() returned no blocks")
-    return blocks
-
-
-def parameter_shared_across(
-    model: nn.Module, groups: Sequence[Sequence[nn.Module]]
-) -> tuple[str, int, int] | None:
-    """A trainable parameter that modules of two different `groups` use: its name in `model` and
-    the two group indices (first found), or None. (A frozen one is never sharded or updated.)
-
-    ZeRO-3 (a group per block) and the pipeline (a group per stage) keep each parameter in one
-    group. A weight tied across groups would be freed while the other group still needs it
-    (ZeRO-3), or silently train as one copy per stage (the pipeline).
-    """
-    names = {id(p): name for name, p in model.named_parameters()}
-    owner: dict[int, int] = {}
-    for index, group in enumerate(groups):
-        for module in group:
-            for p in module.parameters():
-                if not p.requires_grad:
-                    continue
-                first = owner.setdefault(id(p), index)
-                if first != index:
-                    return names.get(id(p), "?"), first, index
+        if not blocks:
+            raise ValueError(f"{type(model).__name__}.blocks_in_order() returned no blocks")
+        return blocks
+    if isinstance(model, nn.Sequential):
+        return list(model)
     return None
 
 
-def split_batch(
-    inputs: torch.Tensor, targets: torch.Tensor, parts: int, what: str
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Cut a batch into `parts` equal micro-batches along dim 0 (equal, so means of means are means)."""
-    n = inputs.shape[0]
-    if targets.shape[0] != n:
-        raise ValueError(f"inputs have {n} samples but targets have {targets.shape[0]}")
-    if parts < 1 or n % parts:
-        raise ValueError(f"this rank's batch of {n} samples does not split into {what}={parts} equal parts")
-    return list(zip(inputs.chunk(parts), targets.chunk(parts), strict=True))
+def repeated_blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's repeated blocks: those whose class the model names in `_no_split_modules`
+    (Hugging Face models: GPT2Block, LlamaDecoderLayer), else the children of its longest
+    `nn.ModuleList` of modules of one class; [] when it has neither."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    if names:
+        found = [m for m in model.modules() if type(m).__name__ in names and m is not model]
+        if found:
+            return found
+    best: list[nn.Module] = []
+    for m in model.modules():
+        if isinstance(m, nn.ModuleList) and len(m) > len(best) and len({type(c) for c in m}) == 1:
+            best = list(m)
+    return best if len(best) > 1 else []
 
 
-def precision_context(precision: str) -> contextlib.AbstractContextManager[Any]:
-    """bf16: compute in bfloat16 under autocast while weights, gradients and reductions stay fp32."""
-    if precision == "bf16":
-        return torch.autocast(device_type="cpu", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+def module_names(model: nn.Module) -> dict[int, str]:
+    """id(submodule) -> its qualified name in `model` ("" for the model itself)."""
+    return {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
+
+
+def resolve_modules(model: nn.Module, given: Iterable[nn.Module | str], what: str) -> list[nn.Module]:
+    """Modules given as objects or qualified names, each checked to be part of `model`."""
+    names = module_names(model)
+    out: list[nn.Module] = []
+    for item in given:
+        if isinstance(item, str):
+            try:
+                out.append(model.get_submodule(item))
+            except AttributeError:
+                raise ValueError(f"{what}: {type(model).__name__} has no submodule {item!r}") from None
+        elif isinstance(item, nn.Module) and id(item) in names:
+            out.append(item)
+        else:
+            raise ValueError(f"{what}: {item!r} is not a submodule of the model (give modules or names)")
+    return out
+
+
+def tensors_in(value: Any) -> list[torch.Tensor]:
+    """Every tensor inside nested tuples, lists and dicts (a Hugging Face ModelOutput is a dict)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for item in value for t in tensors_in(item)]
+    if isinstance(value, dict):
+        return [t for item in value.values() for t in tensors_in(item)]
+    return []
+
+
+def autocast(precision: str | None, device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """bf16/fp16: compute under autocast on `device` while weights, gradients and their reduction
+    stay fp32; None or "fp32": no autocast."""
+    if precision is None or precision == "fp32":
+        return contextlib.nullcontext()
+    if precision not in PRECISIONS:
+        raise ValueError(f"mixed_precision must be one of None, 'bf16', 'fp16', got {precision!r}")
+    return torch.autocast(device_type=device.type, dtype=PRECISIONS[precision])
 
 
 def apply_activation_checkpointing(blocks: Iterable[nn.Module]) -> None:
@@ -106,121 +146,13 @@ def apply_activation_checkpointing(blocks: Iterable[nn.Module]) -> None:
         block.forward = checkpointed
 
 
-def clip_coefficient(total_norm: float, max_norm: float) -> float:
-    """The factor torch.nn.utils.clip_grad_norm_ scales gradients by (never above 1)."""
-    if not math.isfinite(total_norm):
-        raise FloatingPointError(f"gradient norm is {total_norm}; refusing to step on it")
-    return min(1.0, max_norm / (total_norm + 1e-6))
-
-
-def split_range(numel: int, rank: int, size: int) -> tuple[int, int]:
-    """The flat range [lo, hi) of a replicated tensor that replica `rank` of `size` writes."""
-    chunk = -(-numel // size)
-    lo = min(numel, rank * chunk)
-    return lo, min(numel, lo + chunk)
-
-
-def _is_sharded_state(value: Any, param: torch.Tensor) -> bool:
-    return isinstance(value, torch.Tensor) and value.shape == param.shape
-
-
-def scalar_to_json(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return {"tensor": value.item(), "dtype": str(value.dtype).removeprefix("torch.")}
-    return value
-
-
-def _scalar_from_json(value: Any) -> Any:
-    if isinstance(value, dict) and "tensor" in value:
-        return torch.tensor(value["tensor"], dtype=getattr(torch, value["dtype"]))
-    return value
-
-
-def replicated_state_shards(
-    named_params: Mapping[str, nn.Parameter],
-    named_buffers: Mapping[str, torch.Tensor],
-    optimizer: torch.optim.Optimizer,
-    rank: int,
-    size: int,
-) -> dict[str, FlatShard]:
-    """Shards of state every replica holds in full: replica `rank` reports its `split_range`."""
-    shards: dict[str, FlatShard] = {}
-
-    def add(key: str, tensor: torch.Tensor) -> None:
-        lo, hi = split_range(tensor.numel(), rank, size)
-        local = tensor.detach().reshape(-1)[lo:hi]
-        shards[key] = FlatShard(tuple(tensor.shape), tensor.dtype, lo, local)
-
-    for name, p in named_params.items():
-        add(f"model.{name}", p)
-        for state_name, value in optimizer.state.get(p, {}).items():
-            if _is_sharded_state(value, p):
-                add(f"optim.{name}.{state_name}", value)
-    for name, b in named_buffers.items():
-        add(f"model.{name}", b)
-    return shards
-
-
-def optimizer_extra_state(
-    named_params: Mapping[str, torch.Tensor], state_of: Callable[[str], Mapping[str, Any]]
-) -> dict[str, Any]:
-    """Which tensor states exist, and the non-tensor (or scalar) states, as JSON.
-
-    When every parameter has the same scalar state (the usual case: Adam's step count) it is
-    stored once under "common", which keeps this identical on every rank even when ranks hold
-    different parameters (pipeline stages) without any communication.
-    """
-    tensor_states: set[str] = set()
-    scalars: dict[str, dict[str, Any]] = {}
-    for name, p in named_params.items():
-        for state_name, value in state_of(name).items():
-            if _is_sharded_state(value, p):
-                tensor_states.add(state_name)
-            else:
-                scalars.setdefault(name, {})[state_name] = scalar_to_json(value)
-    distinct = {repr(sorted(v.items())) for v in scalars.values()}
-    if len(distinct) == 1 and len(scalars) == len(named_params):
-        return {"tensor_states": sorted(tensor_states), "common": next(iter(scalars.values())), "scalars": {}}
-    return {"tensor_states": sorted(tensor_states), "scalars": scalars}
-
-
-def optimizer_scalars_from_extra(extra: Mapping[str, Any], name: str) -> dict[str, Any]:
-    optim = extra.get("optim", {})
-    scalars = optim.get("scalars", {}).get(name, optim.get("common", {}))
-    return {k: _scalar_from_json(v) for k, v in scalars.items()}
-
-
-def load_replicated_state(
-    named_params: Mapping[str, nn.Parameter],
-    named_buffers: Mapping[str, torch.Tensor],
-    optimizer: torch.optim.Optimizer,
-    fetch: FetchRange,
-    extra: Mapping[str, Any],
-) -> None:
-    """Every replica reads the whole of each tensor it holds."""
-    tensor_states = extra.get("optim", {}).get("tensor_states", [])
-    with torch.no_grad():
-        for name, p in named_params.items():
-            p.copy_(fetch(f"model.{name}", 0, p.numel()).view(p.shape))
-            state: dict[str, Any] = optimizer_scalars_from_extra(extra, name)
-            if not state and not tensor_states:
-                optimizer.state.pop(p, None)
-                continue
-            for state_name in tensor_states:
-                value = fetch(f"optim.{name}.{state_name}", 0, p.numel())
-                state[state_name] = value.to(p.dtype).view(p.shape).clone()
-            optimizer.state[p] = state
-        for name, b in named_buffers.items():
-            b.copy_(fetch(f"model.{name}", 0, b.numel()).view(b.shape))
-
-
 def broadcast_from_rank0(tensors: list[torch.Tensor], comm: Comm) -> None:
     """Make every rank's tensors equal rank 0's: one broadcast per dtype, through a flat buffer."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    by_key: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
+        by_key.setdefault((t.dtype, t.device), []).append(t)
     with torch.no_grad():
-        for group in by_dtype.values():
+        for group in by_key.values():
             flat = torch.cat([t.detach().reshape(-1) for t in group])
             comm.broadcast(flat, 0)
             offset = 0
@@ -229,45 +161,7 @@ def broadcast_from_rank0(tensors: list[torch.Tensor], comm: Comm) -> None:
                 offset += t.numel()
 
 
-def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    if not lr >= 0:
-        raise ValueError(f"learning rate must be >= 0, got {lr}")
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-
-
-class DataParallel:
-    """What DDP and FSDP share: every rank of `comm` is one replica reading its own slice of the
-    global batch, and one optimizer holds what the rank steps."""
-
-    optimizer: torch.optim.Optimizer
-
-    def __init__(self, model: nn.Module, config: ParallelConfig, loss_fn: LossFn, comm: Comm) -> None:
-        """Keep what every replica needs, and start it from rank 0's parameters and buffers."""
-        self.model = model
-        self.config = config
-        self.loss_fn = loss_fn
-        self.comm = comm
-        self.named_buffers = dict(model.named_buffers())
-        broadcast_from_rank0([*model.parameters(), *self.named_buffers.values()], comm)
-
-    @property
-    def data_parallel_rank(self) -> int:
-        return self.comm.rank
-
-    @property
-    def data_parallel_size(self) -> int:
-        return self.comm.size
-
-    def set_lr(self, lr: float) -> None:
-        set_lr(self.optimizer, lr)
-
-
-def iter_unique(tensors: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
-    """Tensors with distinct storages (shared parameters counted once)."""
-    seen: set[int] = set()
-    for t in tensors:
-        key = t.untyped_storage().data_ptr()
-        if key not in seen:
-            seen.add(key)
-            yield t
+def queue_after_backward(callback: Callable[[], None]) -> None:
+    """Run `callback` once the current backward pass has finished (from inside a backward hook),
+    before `loss.backward()` returns: how torch's DDP finishes its reduction."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)

@@ -1,0 +1,61 @@
+"""ElasticSession in a user's own script (examples/vision-ddp/train.py, plain PyTorch + data_parallel):
+SIGTERM mid-run checkpoints on every rank and exits 75; the run resumed at another world size
+continues the uninterrupted run's loss trajectory; full_state_dict loads into a fresh model."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.trainer.runtime_gang import REPO, checkpoint_steps, launch, run, wait_for
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = [str(REPO / "examples" / "vision-ddp" / "train.py")]
+STEPS = 24
+
+
+def _losses(gang_steps: list[dict[str, object]]) -> dict[int, float]:
+    return {int(r["step"]): float(r["loss"]) for r in gang_steps}  # type: ignore[arg-type]
+
+
+def test_sigterm_exits_75_and_a_resume_at_another_world_size_continues_the_trajectory(tmp_path: Path) -> None:
+    args = ["--steps", str(STEPS), "--global-batch-size", "24", "--checkpoint-every", "100"]
+    reference = run(
+        2, args, tmp_path, "reference", command=SCRIPT, env={"DTJOB_CHECKPOINT_DIR": str(tmp_path / "ref")}
+    )
+    want = _losses(reference.steps())
+    assert sorted(want) == list(range(1, STEPS + 1))
+
+    checkpoints = tmp_path / "ckpt"
+    env = {"DTJOB_CHECKPOINT_DIR": str(checkpoints)}
+    first = launch(2, args, tmp_path, "first", env=env, command=SCRIPT)
+    wait_for(lambda: len(first.steps()) >= 6, "six steps")
+    first.signal(1, signal.SIGTERM)  # one rank told; every rank stops after the same step
+    assert first.wait() == [75, 75], first.stderr()
+    [stopped_at] = checkpoint_steps(checkpoints)
+    assert 6 <= stopped_at < STEPS
+    manifest = json.loads((checkpoints / f"step-{stopped_at:08d}" / "manifest.json").read_text())
+    assert manifest["world_size"] == 2 and sorted(manifest["files"]) == ["rank-00000.pt", "rank-00001.pt"]
+
+    resumed = run(3, args, tmp_path, "resumed", env=env, command=SCRIPT)
+    got = _losses(resumed.steps())
+    assert sorted(got) == list(range(stopped_at + 1, STEPS + 1))  # no step lost or repeated
+    for step, loss in got.items():
+        assert loss == pytest.approx(want[step], rel=1e-5), f"step {step}"
+
+    sys.path.insert(0, str(REPO / "examples" / "vision-ddp"))
+    from train import Net  # type: ignore[import-not-found]
+
+    final = torch.load(checkpoints / "final.pt")
+    fresh = Net()
+    fresh.load_state_dict(final["weights"])  # strict: every key, original names
+    assert torch.allclose(fresh(final["probe"]), final["outputs"], atol=1e-6)
+    reference_final = torch.load(tmp_path / "ref" / "final.pt")["weights"]
+    for key, value in reference_final.items():
+        assert torch.allclose(final["weights"][key], value, rtol=1e-4, atol=1e-6), key

@@ -1,0 +1,43 @@
+"""Which device a trainer process computes on, and the process-group backend that goes with it.
+
+auto: CUDA when torch.cuda.is_available(), else the CPU; cpu; cuda: CUDA or a clear error. On
+CUDA the device is cuda:LOCAL_RANK (one GPU per local process, as torchrun arranges), set as the
+current device before the process group exists, so NCCL binds each process to its own GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+class DeviceError(Exception):
+    """The device asked for is not there (a configuration problem: exit 2)."""
+
+
+def resolve_device(choice: str, local_rank: int) -> torch.device:
+    if choice not in DEVICES:
+        raise DeviceError(
+            f"--device (env DTJOB_DEVICE): unknown value {choice!r}; choose one of {', '.join(DEVICES)}"
+        )
+    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise DeviceError(
+            "--device cuda (env DTJOB_DEVICE): CUDA is not available here (torch.cuda.is_available() is "
+            "False); use --device cpu or auto"
+        )
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        raise DeviceError(
+            f"LOCAL_RANK={local_rank} needs GPU {local_rank}, but {count} are visible; run at most {count} "
+            "processes per worker (spec.nprocPerWorker) or give each worker more GPUs"
+        )
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def backend_for(device: torch.device) -> str:
+    """NCCL for CUDA tensors, gloo for CPU ones."""
+    return "nccl" if device.type == "cuda" else "gloo"

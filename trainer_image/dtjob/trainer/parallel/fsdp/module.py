@@ -1,0 +1,494 @@
+"""`fully_shard(model)`: ZeRO stages 1, 2 and 3 on flat units, trained with the user's own loop.
+
+    model = fully_shard(model, zero_stage=3)           # after init_process_group(), on its device
+    optimizer = torch.optim.AdamW(model.parameters())  # this rank's shards; any parameter groups
+    loss = model(**batch).loss; loss.backward(); optimizer.step(); optimizer.zero_grad()
+
+stage 1: every rank keeps all parameters and all gradients; the optimizer updates only this rank's
+    shard (optimizer state is 1/N); after backward the gradients are reduce-scattered, and the
+    updated shards are all-gathered before the next forward.
+stage 2: as 1, but each unit's gradients are reduce-scattered the moment they are complete and the
+    full gradients dropped: a rank keeps only its gradient shard.
+stage 3: as 2, and the parameters too live only as shards. A unit's parameters are all-gathered
+    just before its forward (the next unit's gather starts early: prefetch) and freed after; gathered
+    again just before its backward (a hook on the unit's outputs) and freed once its gradients are
+    reduced. Parameters in no unit form the root unit, gathered from the start of the forward to
+    the end of the backward.
+
+Units: each `blocks_in_order()` block, else each repeated block (Hugging Face `_no_split_modules`,
+or the longest ModuleList of one class), else the whole model; or `units=` (modules or names). A
+parameter used by two units (a tied embedding and head) belongs to the root, as with FSDP2.
+
+`model.parameters()` / `named_parameters()` are this rank's shards under the original names, one
+per original parameter (possibly empty). Between steps the wrapped module holds those shards too,
+so `state_dict()` is this rank's shards (load_state_dict takes them back, or full tensors, of
+which each rank keeps its part); `full_state_dict(model)` gathers the real weights. Reductions
+average in the gradients' dtype and run in a fixed order (units in reverse, the root last), so
+every rank issues the same sequence of collectives. Gradient norms: `model.clip_grad_norm_()` or
+torch.nn.utils.clip_grad_norm_ (dtjob.trainer makes torch's count every rank's shard, see clip.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from dtjob.trainer.parallel import clip, common
+from dtjob.trainer.parallel.comm import Comm, Handle
+from dtjob.trainer.parallel.fsdp.flat import FlatUnit
+from dtjob.trainer.parallel.shards import LocalShard
+
+log = logging.getLogger("dtjob.trainer.parallel")
+
+
+class FullyShardedModule(common.Wrapper):
+    """The module `fully_shard` returns; see the module docstring."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        comm: Comm,
+        *,
+        zero_stage: int,
+        units: list[nn.Module],
+        prefetch: bool,
+        mixed_precision: str | None,
+    ) -> None:
+        super().__init__()
+        self.module = module
+        self.comm = comm
+        self.stage = zero_stage
+        self.prefetch = prefetch
+        self.mixed_precision = mixed_precision
+        self._buffers_list = [b for b in module.buffers() if b is not None]
+        common.broadcast_from_rank0([*module.parameters(), *self._buffers_list], comm)
+        self.units, self.block_units, self.root_unit = self._make_units(module, units)
+        self._position = {u.index: i for i, u in enumerate(self.block_units)}
+        self._reduce_order = [*reversed(self.block_units), *([self.root_unit] if self.root_unit else [])]
+        self._pieces = {p.slot.name: p for u in self.units for p in u.pieces}
+        piece_of = {id(p.slot.param): p for p in self._pieces.values()}
+        # Every state-dict name of a piece (a tied parameter has two).
+        self._piece_by_key = {
+            n: piece_of[id(p)]
+            for n, p in module.named_parameters(remove_duplicate=False)
+            if id(p) in piece_of
+        }
+        self._frozen = {n: p for n, p in module.named_parameters() if not p.requires_grad}
+        # What named_parameters() gives: the original names and order, shards for trainable ones.
+        self._visible = [
+            (n, self._pieces[n].param if n in self._pieces else p) for n, p in module.named_parameters()
+        ]
+        # Where each trainable parameter is registered (a tied one twice): swapped between the
+        # full parameters (during a step) and the shards (between steps).
+        self._registrations: list[tuple[nn.Module, str, nn.Parameter, nn.Parameter]] = []
+        for sub in module.modules():
+            for attr, p in list(sub._parameters.items()):
+                if p is not None and id(p) in piece_of:
+                    self._registrations.append((sub, attr, p, piece_of[id(p)].param))
+        for unit in self.units:
+            for s in unit.slots:
+                s.param.register_post_accumulate_grad_hook(lambda p, u=unit: self._on_grad_ready(u))
+            if self.stage == 3:
+                unit.free_full()
+        if self.stage == 1:
+            self._grad_full = {u.index: torch.zeros_like(u.full) for u in self.units}
+        for unit, sub in zip(self.block_units, self._unit_modules, strict=True):
+            sub.register_forward_pre_hook(lambda m, a, u=unit: self._pre_forward(u))
+            sub.register_forward_hook(lambda m, a, out, u=unit: self._post_forward(u, out))
+        clip.install()
+        self._sync = True
+        self._step_open = False  # the full parameters are registered (a forward ran, backward pending)
+        self._in_backward = False
+        self._sync_this_backward = True
+        self._pending_gather: dict[int, Handle] = {}
+        self._reductions: dict[int, tuple[torch.Tensor, torch.Tensor, Handle | None]] = {}
+        self._ready: set[int] = set()
+        self._next_reduce = 0
+        self._prebackward_done: set[int] = set()
+        # ZeRO-3: the most units whose full parameters were held at once during the last step.
+        self.peak_gathered_units = 0
+        self._use_shards()
+
+    def _make_units(
+        self, model: nn.Module, units: list[nn.Module]
+    ) -> tuple[list[FlatUnit], list[FlatUnit], FlatUnit | None]:
+        names = common.module_names(model)
+        param_names = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
+        users: dict[int, set[int]] = {}
+        for i, unit in enumerate(units):
+            for p in unit.parameters():
+                if id(p) in param_names:
+                    users.setdefault(id(p), set()).add(i)
+        groups: list[list[tuple[str, nn.Parameter]]] = [[] for _ in units]
+        rest: list[tuple[str, nn.Parameter]] = []
+        for n, p in model.named_parameters():
+            if not p.requires_grad:
+                continue
+            owners = users.get(id(p), set())
+            if len(owners) == 1:
+                groups[next(iter(owners))].append((n, p))
+            else:  # in no unit, or tied between units: the root, gathered for the whole step
+                rest.append((n, p))
+        flat: list[FlatUnit] = []
+        self._unit_modules: list[nn.Module] = []
+        for unit, group in zip(units, groups, strict=True):
+            if group:  # a unit without trainable parameters of its own has nothing to shard
+                label = names.get(id(unit), "?")
+                flat.append(FlatUnit(len(flat), label, group, self.comm.rank, self.comm.size, self.stage))
+                self._unit_modules.append(unit)
+        blocks = list(flat)
+        root = None
+        if rest:
+            root = FlatUnit(len(flat), "", rest, self.comm.rank, self.comm.size, self.stage)
+            flat.append(root)
+        return flat, blocks, root
+
+    # -- the module interface -------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        grad = torch.is_grad_enabled()
+        self._open_step(grad)
+        try:
+            with common.autocast(self.mixed_precision, self.units[0].device):
+                out = self.module(*args, **kwargs)
+        except BaseException:
+            self._close_step()
+            raise
+        if not grad:
+            self._close_step()
+        return out
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Stage 1: backward passes inside accumulate full gradients locally. Stages 2/3
+        reduce-scatter every backward (there are no full gradients to accumulate into), so
+        gradients accumulate in the shards and this changes nothing."""
+        previous, self._sync = self._sync, self.stage != 1
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        pre = prefix + "." if prefix else ""
+        for name, p in self._visible:
+            yield pre + name, p
+
+    @contextlib.contextmanager
+    def _shards_registered(self) -> Iterator[None]:
+        """The shards registered in the wrapped module for a moment, also in the middle of a step."""
+        if not self._step_open:
+            yield
+            return
+        self._use_shards()
+        try:
+            yield
+        finally:
+            self._use_full()
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """This rank's shards (1-D pieces) under the original names, and the buffers."""
+        with self._shards_registered():
+            return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        """This rank's shards (as state_dict() gives them), or full tensors of the original shapes."""
+        local: dict[str, Any] = {}
+        for key, value in state_dict.items():
+            piece = self._piece_by_key.get(key)
+            if piece is not None and isinstance(value, torch.Tensor) and value.shape == piece.slot.shape:
+                value = value.reshape(-1)[piece.start : piece.start + piece.length]
+            local[key] = value
+        with self._shards_registered():
+            result = self.module.load_state_dict(local, strict=strict, assign=False)
+        self.after_load()
+        return result
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradient norm over every rank's shards; returns the total norm."""
+        return clip.clip_grad_norm_(list(self.parameters()), max_norm, norm_type)
+
+    # -- checkpoints (parallel/shards.py) -------------------------------------------------------
+    def local_shards(self) -> list[LocalShard]:
+        self._sync_params()
+        out = []
+        for name, piece in self._pieces.items():
+            write = (0, piece.length)
+            out.append(LocalShard(name, piece.param, tuple(piece.slot.shape), piece.start, write))
+        for name, p in self._frozen.items():
+            out.append(LocalShard.replicated(name, p, self.comm.rank, self.comm.size))
+        return out
+
+    def local_buffers(self) -> list[LocalShard]:
+        buffers = common.persistent_buffers(self.module)
+        return [LocalShard.replicated(n, b, self.comm.rank, self.comm.size) for n, b in buffers.items()]
+
+    def after_load(self) -> None:
+        for unit in self.units:
+            unit.synced_version = -1  # ZeRO-1/2: gather the loaded shards before the next forward
+
+    # -- swapping full parameters and shards -----------------------------------------------------
+    def _use_full(self) -> None:
+        for sub, attr, full, _piece in self._registrations:
+            sub._parameters[attr] = full
+
+    def _use_shards(self) -> None:
+        for sub, attr, _full, piece in self._registrations:
+            sub._parameters[attr] = piece
+
+    def _open_step(self, grad: bool) -> None:
+        """Before a forward: full parameters registered, ZeRO-1/2 shards gathered, the root gathered."""
+        if self._step_open and self._in_backward:
+            raise RuntimeError("fully_shard: forward called while a backward pass of this model runs")
+        if not self._step_open:
+            self._sync_params()
+            self._use_full()
+            self._step_open = True
+        self._sync_this_backward = self._sync
+        self.peak_gathered_units = 0
+        self._start_backward_bookkeeping()
+        if self.root_unit is not None and self.stage == 3:
+            self._gather(self.root_unit)
+
+    def _close_step(self) -> None:
+        """After the backward (or a forward without one): shards registered, ZeRO-3 memory freed."""
+        if not self._step_open:
+            return
+        if self.stage == 3:
+            for unit in self.units:
+                if unit.gathered:
+                    unit.free_full()
+            self._pending_gather.clear()
+        self._use_shards()
+        self._step_open = False
+        self._in_backward = False
+
+    def _sync_params(self) -> None:
+        """ZeRO-1/2: all-gather the shards the optimizer changed since the last gather."""
+        if self.stage == 3:
+            return
+        stale = [u for u in self.units if u.full._version != u.synced_version]
+        handles = []
+        for unit in stale:
+            # The shard is a view of `full`: gather from a copy so input and output never alias.
+            handles.append(self.comm.all_gather(unit.full, unit.shard.detach().clone(), async_op=True))
+        for unit, handle in zip(stale, handles, strict=True):
+            handle.wait()
+            unit.synced_version = unit.full._version
+
+    # -- parameter gathering (ZeRO-3) ----------------------------------------------------------
+    def _start_gather(self, unit: FlatUnit) -> None:
+        if self.stage != 3 or unit.gathered or unit.index in self._pending_gather:
+            return
+        unit.regrow_full()
+        held = sum(1 for u in self.units if u.full.untyped_storage().nbytes() > 0)
+        self.peak_gathered_units = max(self.peak_gathered_units, held)
+        self._pending_gather[unit.index] = self.comm.all_gather(unit.full, unit.shard, async_op=True)
+
+    def _gather(self, unit: FlatUnit) -> None:
+        if self.stage != 3:
+            return
+        self._start_gather(unit)
+        handle = self._pending_gather.pop(unit.index, None)
+        if handle is not None:
+            handle.wait()
+        unit.gathered = True
+
+    def _neighbour(self, unit: FlatUnit, step: int) -> FlatUnit | None:
+        pos = self._position[unit.index] + step
+        return self.block_units[pos] if 0 <= pos < len(self.block_units) else None
+
+    def _pre_forward(self, unit: FlatUnit) -> None:
+        if not self._step_open:
+            raise RuntimeError(
+                f"fully_shard: unit {unit.label} ran outside the wrapped model's forward; call the module "
+                "fully_shard returned, not its .module"
+            )
+        self._gather(unit)
+        following = self._neighbour(unit, 1)
+        if self.prefetch and following is not None:
+            self._start_gather(following)
+
+    def _post_forward(self, unit: FlatUnit, output: Any) -> None:
+        if not torch.is_grad_enabled():
+            if not self._in_backward and self.stage == 3:
+                unit.free_full()
+            return
+        if not self._in_backward and self.stage == 3:
+            for t in common.tensors_in(output):
+                if t.requires_grad:
+                    t.register_hook(lambda grad, u=unit: self._pre_backward(u))
+        # The last unit's backward comes first: keep it instead of gathering it straight back.
+        if self.stage == 3 and not self._in_backward and self._neighbour(unit, 1) is not None:
+            unit.free_full()
+
+    def _pre_backward(self, unit: FlatUnit) -> None:
+        self._backward_started()
+        if unit.index in self._prebackward_done and unit.gathered:
+            return
+        self._prebackward_done.add(unit.index)
+        self._gather(unit)
+        previous = self._neighbour(unit, -1)
+        if self.prefetch and previous is not None:
+            self._start_gather(previous)
+
+    # -- gradient reduction --------------------------------------------------------------------
+    def _backward_started(self) -> None:
+        if not self._in_backward:
+            self._in_backward = True
+            common.queue_after_backward(self._finish_backward)
+
+    def _start_backward_bookkeeping(self) -> None:
+        for unit in self.units:
+            unit.grads_pending = len(unit.slots)
+        self._ready.clear()
+        self._reductions.clear()
+        self._next_reduce = 0
+        self._prebackward_done.clear()
+
+    def _on_grad_ready(self, unit: FlatUnit) -> None:
+        if not self._step_open:
+            raise RuntimeError(
+                "fully_shard: a gradient arrived in a backward pass whose forward did not go through the "
+                "wrapped model (call the module fully_shard returned), or backward ran twice after one "
+                "forward"
+            )
+        self._backward_started()
+        unit.grads_pending -= 1
+        if unit.grads_pending == 0:
+            self._unit_ready(unit)
+
+    def _unit_ready(self, unit: FlatUnit) -> None:
+        if self.stage == 1:
+            grad_full = self._grad_full[unit.index]
+            for s in unit.slots:  # accumulate locally; re-point .grad at the buffer if autograd replaced it
+                view = grad_full[s.offset : s.offset + s.numel].view(s.shape)
+                if s.param.grad is not None and s.param.grad.data_ptr() != view.data_ptr():
+                    view.add_(s.param.grad)
+                s.param.grad = view
+            if not self._sync_this_backward:
+                return
+            flat = grad_full
+        else:
+            flat = unit.flatten_grads()
+            for s in unit.slots:
+                s.param.grad = None
+            if self.stage == 3 and unit is not self.root_unit:
+                unit.free_full()
+        self._reductions[unit.index] = (flat, torch.empty_like(unit.grad_shard), None)
+        self._ready.add(unit.index)
+        self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        order = self._reduce_order
+        while self._next_reduce < len(order) and order[self._next_reduce].index in self._ready:
+            index = order[self._next_reduce].index
+            flat, out, _ = self._reductions[index]
+            self._reductions[index] = (flat, out, self.comm.reduce_scatter_sum(out, flat, async_op=True))
+            self._next_reduce += 1
+
+    def _finish_backward(self) -> None:
+        if self.stage == 1 and not self._sync_this_backward:
+            self._in_backward = False
+            return  # no_sync: the full gradients keep accumulating; the step stays open
+        for unit in self._reduce_order:  # units that took no part in this backward
+            if unit.index not in self._ready:
+                self._unit_ready(unit)
+        self._launch_ready()
+        for unit in self._reduce_order:
+            flat, out, handle = self._reductions.pop(unit.index)
+            assert handle is not None
+            handle.wait()
+            unit.add_to_shard_grads(out.div_(self.comm.size))
+            for piece in unit.pieces:
+                if piece.param.grad is not None:
+                    clip.mark(piece.param.grad, self.comm)
+            if self.stage == 1:
+                flat.zero_()  # the full parameters' .grad are views of it: zero for the next step
+        self._close_step()
+
+
+def auto_units(model: nn.Module) -> list[nn.Module]:
+    """The units `fully_shard` picks when `units=None` (see the module docstring)."""
+    blocks = common.blocks_in_order(model)
+    if blocks is not None:
+        return blocks
+    return common.repeated_blocks(model)
+
+
+def _check_units(model: nn.Module, units: list[nn.Module]) -> None:
+    ids = {id(u) for u in units}
+    if len(ids) != len(units):
+        raise ValueError("fully_shard: a module appears twice in units")
+    if model in units:
+        raise ValueError("fully_shard: the model itself is the root unit; list only its submodules in units")
+    names = common.module_names(model)
+    for unit in units:
+        for sub in unit.modules():
+            if sub is not unit and id(sub) in ids:
+                raise ValueError(
+                    f"fully_shard: unit {names.get(id(sub))} is inside unit {names.get(id(unit))}; "
+                    "units must not nest (the model itself is the root unit around them)"
+                )
+
+
+def fully_shard(
+    model: nn.Module,
+    *,
+    zero_stage: int = 3,
+    units: Iterable[nn.Module | str] | None = None,
+    collective: str = "auto",
+    mixed_precision: str | None = None,
+    prefetch: bool = True,
+    group: Any = None,
+) -> FullyShardedModule:
+    """Shard `model`'s training state over `group` (default: the whole default process group).
+
+    zero_stage: 1 shards optimizer state; 2 also gradients; 3 also parameters (ZeRO paper).
+    units: the modules whose parameters are gathered and reduced together (objects or qualified
+        names); None picks them (see the module docstring) and logs which.
+    collective: "auto", "ring", "hd", "direct" (dtjob's collectives) or "native" (torch's).
+    mixed_precision: None, "bf16" or "fp16": the forward runs under autocast; parameters,
+        gradients and their reduction keep the parameters' dtype (fp32 master weights).
+    prefetch: ZeRO-3 gathers the next unit while the current one computes.
+    Every rank passes an identically constructed model; rank 0's parameters are broadcast.
+    """
+    if not torch.distributed.is_initialized():
+        raise RuntimeError("fully_shard() needs torch.distributed.init_process_group() to be called first")
+    if zero_stage not in (1, 2, 3):
+        raise ValueError(f"fully_shard: zero_stage must be 1, 2 or 3, got {zero_stage!r}")
+    if isinstance(model, common.Wrapper):
+        raise ValueError(f"fully_shard: the model is already wrapped ({type(model).__name__})")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError("fully_shard: the model has no parameter that requires a gradient")
+    chosen = auto_units(model) if units is None else common.resolve_modules(model, units, "fully_shard units")
+    _check_units(model, chosen)
+    wrapped = FullyShardedModule(
+        model,
+        Comm(collective, group),
+        zero_stage=zero_stage,
+        units=chosen,
+        prefetch=prefetch,
+        mixed_precision=mixed_precision,
+    )
+    if wrapped.comm.rank == 0:
+        labels = [u.label for u in wrapped.block_units]
+        shown = labels if len(labels) <= 4 else [labels[0], "...", labels[-1]]
+        root = [s.name for s in wrapped.root_unit.slots] if wrapped.root_unit else []
+        log.info(
+            "fully_shard: ZeRO-%d, %d units (%s) and a root unit of %d parameters%s",
+            zero_stage,
+            len(labels),
+            ", ".join(shown) or "none",
+            len(root),
+            f" ({', '.join(root[:3])}{', ...' if len(root) > 3 else ''})" if root else "",
+        )
+    return wrapped

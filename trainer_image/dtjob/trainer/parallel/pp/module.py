@@ -1,0 +1,536 @@
+"""`pipeline(model, stages=P)`: the model cut into P stages, micro-batches flowing between ranks.
+
+    pipe = pipeline(model, stages=2, microbatches=4, schedule="1f1b")
+    optimizer = torch.optim.AdamW(pipe.parameters())     # this stage's parameters
+    loss = pipe.step(batch, targets)                       # forward + backward of the whole batch
+    optimizer.step(); optimizer.zero_grad()
+
+Layout for world size W = D * P: rank = replica * P + stage. The P ranks of a replica form a
+pipeline (activations forward, their gradients backward, point-to-point); the D ranks holding the
+same stage average that stage's gradients with dtjob's collectives. Every rank of a replica gets
+the same slice of the batch: stage 0 needs the inputs, the last stage the targets, the others the
+inputs' shapes.
+
+How a stage runs any model (one that is not a plain sequence of blocks, such as a Hugging Face
+model, whose forward also builds masks and position embeddings): every stage calls the model's
+own forward on the micro-batch. On stage s, modules that belong to earlier stages are replaced by
+stand-ins returning zeros of the shapes their real outputs had (the previous stage sends those
+shapes along), so the glue code between them runs as usual; when the forward reaches boundary s,
+its arguments are replaced by what stage s - 1 sent: every tensor of the boundary call (hidden
+states, and also masks and position embeddings, however many); when it reaches boundary s + 1, the
+tensors of that call are sent on and the forward stops. The last stage runs to the end and
+computes the loss: `loss_fn(output, targets)`, or the output's own `.loss` (Hugging Face models
+given `labels`). A stand-in output that the stage still uses after its boundary (a skip connection
+around the cut) would be silently wrong, so its zeros require grad and the first step raises if
+any of them receives a gradient.
+
+Sends are asynchronous and receives block in schedule order; because every schedule here only waits
+on work that its neighbour's schedule has already issued, no order of arrival deadlocks on gloo.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from dtjob.trainer.parallel import clip, common
+from dtjob.trainer.parallel.comm import Comm, control_group
+from dtjob.trainer.parallel.pp import wire
+from dtjob.trainer.parallel.pp.schedule import schedule_actions
+from dtjob.trainer.parallel.pp.split import auto_split, plan, spec_of, zeros_of
+from dtjob.trainer.parallel.shards import LocalShard
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+class _StageDone(BaseException):
+    """Raised at the next stage's boundary: this stage's part of the forward is over. A
+    BaseException, so that no `except Exception` in a model's forward swallows it."""
+
+
+def _new_group(ranks: list[int]) -> dist.ProcessGroup | None:
+    """A process group over `ranks` (collective: every rank calls it for every group)."""
+    group = dist.new_group(ranks)
+    return group if isinstance(group, dist.ProcessGroup) else None
+
+
+def default_loss(output: Any, targets: Any) -> torch.Tensor:
+    """The output's own `.loss` (or ["loss"]) if it has one, else cross-entropy of logits."""
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, dict):
+        loss = output.get("loss")
+    if loss is not None:
+        return loss
+    logits = getattr(output, "logits", output)
+    if targets is None or not isinstance(logits, torch.Tensor):
+        raise ValueError(
+            "pipeline: the model's output has no .loss and no targets were given; pass targets to step() "
+            "(and loss_fn=) or inputs that make the model compute its loss (labels=...)"
+        )
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
+def _chunks(value: Any, parts: int, what: str) -> list[Any]:
+    """`value` (a tensor, or tuples/lists/dicts of them) cut into `parts` along dim 0."""
+    leaves, spec = pytree.tree_flatten(value)
+    cut: list[list[Any]] = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            if leaf.dim() == 0 or leaf.shape[0] % parts:
+                n = leaf.shape[0] if leaf.dim() else 0
+                raise ValueError(
+                    f"pipeline: a batch of {n} samples does not split into {what}={parts} equal parts"
+                )
+            cut.append(list(leaf.chunk(parts)))
+        else:
+            cut.append([leaf] * parts)
+    return [pytree.tree_unflatten([c[i] for c in cut], spec) for i in range(parts)]
+
+
+def _call(module: nn.Module, inputs: Any) -> Any:
+    if isinstance(inputs, dict):
+        return module(**inputs)
+    if isinstance(inputs, (tuple, list)):
+        return module(*inputs)
+    return module(inputs)
+
+
+class ActivationMeter:
+    """Counts the bytes autograd saves for backward (parameters excluded) and their peak."""
+
+    def __init__(self, param_ptrs: set[int]) -> None:
+        self.param_ptrs = param_ptrs
+        self.live = 0
+        self.peak = 0
+
+    def pack(self, t: torch.Tensor) -> Any:
+        if t.untyped_storage().data_ptr() in self.param_ptrs:
+            return t
+        return _Saved(t, self)
+
+    @staticmethod
+    def unpack(packed: Any) -> torch.Tensor:
+        return packed.tensor if isinstance(packed, _Saved) else packed
+
+
+class _Saved:
+    __slots__ = ("meter", "nbytes", "tensor")
+
+    def __init__(self, tensor: torch.Tensor, meter: ActivationMeter) -> None:
+        self.tensor = tensor
+        self.meter = meter
+        self.nbytes = tensor.numel() * tensor.element_size()
+        meter.live += self.nbytes
+        meter.peak = max(meter.peak, meter.live)
+
+    def __del__(self) -> None:
+        self.meter.live -= self.nbytes
+
+
+class _Microbatch:
+    """What one micro-batch leaves on this stage between its forward and its backward."""
+
+    def __init__(self) -> None:
+        self.received: list[torch.Tensor] = []  # from the previous stage
+        self.sent: list[torch.Tensor] = []  # to the next stage, those that require grad
+        self.loss: torch.Tensor | None = None  # last stage
+        self.stand_ins: list[torch.Tensor] = []
+
+
+class Pipeline(common.Wrapper):
+    """The object `pipeline` returns; see the module docstring."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        stages: int,
+        microbatches: int,
+        schedule: str,
+        boundaries: Sequence[str],
+        loss_fn: LossFn,
+        collective: str,
+        mixed_precision: str | None,
+    ) -> None:
+        super().__init__()
+        world, rank = dist.get_world_size(), dist.get_rank()
+        P = stages
+        self.module = module
+        self.microbatches = microbatches
+        self.schedule = schedule
+        self.loss_fn = loss_fn
+        self.mixed_precision = mixed_precision
+        self.stages, self.replicas = P, world // P
+        self.stage, self.replica = rank % P, rank // P
+        # Every rank must create every group, in the same order.
+        pp_groups = [_new_group([d * P + s for s in range(P)]) for d in range(self.replicas)]
+        dp_groups = [_new_group([d * P + s for d in range(self.replicas)]) for s in range(P)]
+        self.comm = Comm(collective, None)
+        self.pp_comm = Comm(collective, pp_groups[self.replica])
+        self.dp_comm = Comm(collective, dp_groups[self.stage])
+        self._control = control_group()
+        self.control_comm = Comm("native", self._control)
+        self.prev_rank = rank - 1 if self.stage > 0 else None
+        self.next_rank = rank + 1 if self.stage < P - 1 else None
+
+        common.broadcast_from_rank0([*module.parameters(), *module.buffers()], self.comm)
+        self.plan = plan(module, boundaries)
+        self._owned = [
+            (n, p)
+            for n, p in module.named_parameters()
+            if self.stage in self.plan.owners[id(p)] and p.requires_grad
+        ]
+        self._device = self._owned[0][1].device if self._owned else torch.device("cpu")
+        self._tie_comms = self._tie_groups(module)
+        self._free_others(module)
+        self._install_hooks(module)
+
+        params = [p for _, p in self._owned]
+        self.grad_flat = torch.zeros(sum(p.numel() for p in params), device=self._device)
+        self._grad_views: list[torch.Tensor] = []
+        offset = 0
+        for name, p in self._owned:
+            if p.dtype != torch.float32:
+                raise TypeError(f"pipeline: parameter {name} is {p.dtype}; the pipeline keeps fp32 weights")
+            self._grad_views.append(self.grad_flat[offset : offset + p.numel()].view(p.shape))
+            offset += p.numel()
+        self.meter = ActivationMeter({p.untyped_storage().data_ptr() for p in params})
+        self.peak_live_microbatches: float | None = None
+        self.last_step_busy_s = 0.0
+        self.last_step_total_s = 0.0
+        self._checked_stand_ins = False
+        self._specs: dict[str, Any] = {}  # stand-in name -> the output spec of the micro-batch at hand
+        self._mb: _Microbatch | None = None
+        clip.install()
+
+    # -- setup -----------------------------------------------------------------------------------
+    def _tie_groups(self, module: nn.Module) -> list[tuple[Comm, list[nn.Parameter], bool]]:
+        """Per set of stages sharing parameters: (their group, this stage's shared parameters,
+        whether this stage is the first of them, which counts them in norms and checkpoints)."""
+        sets = sorted({tuple(sorted(o)) for o in self.plan.owners.values() if len(o) > 1})
+        result = []
+        for stage_set in sets:
+            groups = [_new_group([d * self.stages + s for s in stage_set]) for d in range(self.replicas)]
+            if self.stage in stage_set:
+                shared = [p for _, p in self._owned if tuple(sorted(self.plan.owners[id(p)])) == stage_set]
+                result.append(
+                    (Comm(self.comm.algorithm, groups[self.replica]), shared, self.stage == stage_set[0])
+                )
+        return result
+
+    def _free_others(self, module: nn.Module) -> None:
+        """Parameters of other stages are never touched here: replace them by empty ones."""
+        placeholder: dict[int, nn.Parameter] = {}
+        for sub in module.modules():
+            for attr, p in list(sub._parameters.items()):
+                if p is None or self.stage in self.plan.owners[id(p)]:
+                    continue
+                if id(p) not in placeholder:
+                    placeholder[id(p)] = nn.Parameter(torch.empty(0, dtype=p.dtype, device=p.device), False)
+                sub._parameters[attr] = placeholder[id(p)]
+
+    def _install_hooks(self, module: nn.Module) -> None:
+        s, bounds = self.stage, self.plan.boundaries
+        if s > 0:
+            module.get_submodule(bounds[s - 1]).register_forward_pre_hook(self._substitute, with_kwargs=True)
+            for name in self.plan.stand_ins[s]:
+                sub = module.get_submodule(name)
+                sub.forward = self._stand_in(name)
+        if s < self.stages - 1:
+            module.get_submodule(bounds[s]).register_forward_pre_hook(self._capture, with_kwargs=True)
+            for name in self.plan.stand_ins[s + 1]:
+                module.get_submodule(name).register_forward_hook(self._recorder(name))
+
+    def _stand_in(self, name: str) -> Callable[..., Any]:
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            spec = self._specs.get(name)
+            if spec is None:
+                raise RuntimeError(
+                    f"pipeline stage {self.stage}: module {name} (an earlier stage's) ran, but the previous "
+                    "stage did not see it run before its boundary; choose split points in forward order"
+                )
+            out = zeros_of(spec, self._device)
+            assert self._mb is not None
+            self._mb.stand_ins.extend(common.tensors_in(out))
+            return out
+
+        return forward
+
+    def _recorder(self, name: str) -> Callable[..., None]:
+        def record(_module: nn.Module, _args: Any, output: Any) -> None:
+            self._specs[name] = spec_of(output)
+
+        return record
+
+    # -- the boundaries ------------------------------------------------------------------------
+    def _substitute(self, _module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        assert self._mb is not None
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        received = self._mb.received
+        if len(slots) != len(received):
+            raise RuntimeError(
+                f"pipeline stage {self.stage}: boundary {self.plan.boundaries[self.stage - 1]} is called "
+                f"with {len(slots)} tensors here but {len(received)} on stage {self.stage - 1}"
+            )
+        for i, t in zip(slots, received, strict=True):
+            leaves[i] = t
+        new_args, new_kwargs = pytree.tree_unflatten(leaves, spec)
+        return new_args, new_kwargs
+
+    def _capture(self, _module: nn.Module, args: Any, kwargs: Any) -> None:
+        assert self._mb is not None and self.next_rank is not None
+        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        specs = {n: self._specs[n] for n in self.plan.stand_ins[self.stage + 1] if n in self._specs}
+        self._sends += wire.send(self.comm, self.control_comm, tensors, {"specs": specs}, self.next_rank)
+        self._mb.sent = [t for t in tensors if t.requires_grad]
+        raise _StageDone
+
+    # -- the module interface -------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("pipeline: run a whole batch with step(inputs, targets), not a forward call")
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        pre = prefix + "." if prefix else ""
+        for name, p in self._owned:
+            yield pre + name, p
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return self.replica
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.replicas
+
+    def step(self, inputs: Any, targets: Any = None) -> float:
+        """Forward and backward of this replica's batch in micro-batches; the gradients of this
+        stage's parameters are averaged over the replicas (and summed over the stages that share a
+        tied weight) when it returns. Returns the mean loss over the global batch, on every rank."""
+        start = time.perf_counter()
+        self.last_step_busy_s = 0.0
+        self._prepare_grads()
+        self.meter.live = self.meter.peak = 0
+        loss, per_microbatch = self._run_schedule(inputs, targets)
+        if per_microbatch:
+            self.peak_live_microbatches = self.meter.peak / per_microbatch
+        if self.replicas > 1:
+            self.dp_comm.all_reduce_sum(self.grad_flat)
+            self.grad_flat.div_(self.replicas)
+        for comm, shared, first in self._tie_comms:
+            for p in shared:
+                assert p.grad is not None
+                comm.all_reduce_sum(p.grad)
+                if not first:
+                    clip.mark(p.grad, clip.DUPLICATE)
+        # The loss lives on the last stages: sum theirs over the world, average over replicas.
+        self.comm.all_reduce_sum(loss)
+        self.last_step_total_s = time.perf_counter() - start
+        return float(loss.item()) / self.replicas
+
+    def _prepare_grads(self) -> None:
+        """Each parameter's .grad a view of the flat buffer, keeping what accumulated (torch's
+        semantics: gradients add up until the user zeroes them)."""
+        for (_, p), view in zip(self._owned, self._grad_views, strict=True):
+            if p.grad is None:
+                view.zero_()
+            elif p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad)
+            p.grad = view
+            clip.mark(view, self.pp_comm)
+
+    def _run_schedule(self, inputs: Any, targets: Any) -> tuple[torch.Tensor, int]:
+        M = self.microbatches
+        micro_inputs = _chunks(inputs, M, "microbatches")
+        micro_targets = _chunks(targets, M, "microbatches") if targets is not None else [None] * M
+        state: dict[int, _Microbatch] = {}
+        self._sends: list[Any] = []
+        loss_sum = torch.zeros(1, dtype=torch.float64, device=self.comm.device)
+        per_microbatch = 0
+        for action in schedule_actions(self.schedule, self.stage, self.stages, M):
+            m = action.microbatch
+            if action.kind == "F":
+                mb = state[m] = _Microbatch()
+                before = self.meter.live
+                self._forward(mb, micro_inputs[m], micro_targets[m])
+                per_microbatch = per_microbatch or self.meter.live - before
+                if mb.loss is not None:
+                    loss_sum += mb.loss.detach().to(loss_sum)
+            else:
+                self._backward(state.pop(m))
+        for work in self._sends:
+            work.wait()
+        self._checked_stand_ins = True
+        return loss_sum, per_microbatch
+
+    def _forward(self, mb: _Microbatch, inputs: Any, targets: Any) -> None:
+        self._mb = mb
+        if self.prev_rank is not None:
+            mb.received, extra = wire.recv(self.comm, self.control_comm, self.prev_rank, self._device)
+            self._specs.update(extra["specs"])
+        t0 = time.perf_counter()
+        saving = torch.autograd.graph.saved_tensors_hooks(self.meter.pack, self.meter.unpack)
+        try:
+            with saving, common.autocast(self.mixed_precision, self._device):
+                output = _call(self.module, inputs)
+                if self.next_rank is not None:
+                    raise RuntimeError(
+                        f"pipeline stage {self.stage}: the forward ended without calling boundary "
+                        f"{self.plan.boundaries[self.stage]}; split at modules the forward calls"
+                    )
+                mb.loss = self.loss_fn(output, targets) / self.microbatches
+        except _StageDone:
+            pass
+        finally:
+            self._mb = None
+        self.last_step_busy_s += time.perf_counter() - t0
+
+    def _backward(self, mb: _Microbatch) -> None:
+        t0 = time.perf_counter()
+        if mb.loss is not None:
+            mb.loss.backward()
+        elif mb.sent:
+            assert self.next_rank is not None
+            grads = [torch.empty_like(t) for t in mb.sent]
+            wire.recv_into(self.comm, grads, self.next_rank)
+            torch.autograd.backward(mb.sent, grads)
+        self.last_step_busy_s += time.perf_counter() - t0
+        if self.prev_rank is not None:
+            back = [t for t in mb.received if t.requires_grad]
+            grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in back]
+            self._sends += wire.send_tensors(self.comm, grads, self.prev_rank)
+        if not self._checked_stand_ins:
+            self._check_stand_ins(mb)
+
+    def _check_stand_ins(self, mb: _Microbatch) -> None:
+        for t in mb.stand_ins:
+            if t.grad is not None and bool(t.grad.ne(0).any()):
+                raise RuntimeError(
+                    f"pipeline stage {self.stage}: the output of a module of an earlier stage is used after "
+                    f"boundary {self.plan.boundaries[self.stage - 1]} (a connection around the cut); choose "
+                    "split points that every value crosses through the boundary module's arguments"
+                )
+
+    # -- checkpoints (parallel/shards.py) and the full state dict -------------------------------
+    def _writes(self, p: nn.Parameter) -> bool:
+        """Of the stages sharing a tied parameter, the first writes it."""
+        return self.stage == min(self.plan.owners[id(p)])
+
+    def local_shards(self) -> list[LocalShard]:
+        out = []
+        for name, p in self._owned:
+            shard = LocalShard.replicated(name, p, self.dp_comm.rank, self.dp_comm.size)
+            if not self._writes(p):
+                shard = LocalShard(name, p, tuple(p.shape), 0, (0, 0))
+            out.append(shard)
+        return out
+
+    def local_buffers(self) -> list[LocalShard]:
+        buffers = common.persistent_buffers(self.module)
+        return [
+            LocalShard.replicated(n, b, self.dp_comm.rank, self.dp_comm.size)
+            for n, b in buffers.items()
+            if self.plan.buffer_owner.get(n) == self.stage
+        ]
+
+    def after_load(self) -> None:
+        pass
+
+    def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+        """The plain model's state dict, gathered from every stage (see state_dict.py)."""
+        mine: dict[str, torch.Tensor] = {}
+        if self.replica == 0:
+            for name, p in self._owned:
+                if self._writes(p):
+                    mine[name] = p.detach().cpu().clone()
+            for name, b in common.persistent_buffers(self.module).items():
+                if self.plan.buffer_owner.get(name) == self.stage:
+                    mine[name] = b.detach().cpu().clone()
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine, group=self._control)
+        if rank0_only and dist.get_rank() != 0:
+            return {}
+        merged: dict[str, torch.Tensor] = {}
+        for part in gathered:
+            merged.update(part)
+        out: dict[str, torch.Tensor] = {}
+        for key, canonical in self._canonical_names().items():
+            out[key] = merged[canonical]
+        return out
+
+    def _canonical_names(self) -> dict[str, str]:
+        """Every state-dict key of the plain model -> the name its tensor is saved under."""
+        keys: dict[str, int] = {}
+        for prefix, sub in self.module.named_modules(remove_duplicate=False):
+            pre = f"{prefix}." if prefix else ""
+            for name, t in [*sub._parameters.items(), *sub._buffers.items()]:
+                if t is None or (name in sub._buffers and name in sub._non_persistent_buffers_set):
+                    continue
+                keys[pre + name] = id(t)
+        # A tensor registered under several keys (a tied weight; a placeholder of another stage's
+        # shares its registrations) is saved under the first, as named_parameters() names it.
+        first: dict[int, str] = {}
+        for key, tid in keys.items():
+            first.setdefault(tid, key)
+        return {key: first[tid] for key, tid in keys.items()}
+
+
+def pipeline(
+    model: nn.Module,
+    *,
+    stages: int,
+    microbatches: int = 4,
+    schedule: str = "1f1b",
+    split: Sequence[str] | None = None,
+    loss_fn: LossFn | None = None,
+    collective: str = "auto",
+    mixed_precision: str | None = None,
+) -> Pipeline:
+    """Cut `model` into `stages` stages over the default process group (see the module docstring).
+
+    split: the P-1 module names where stages 1..P-1 begin (None: balanced among the model's blocks).
+    microbatches: per replica per step; the replica's batch must split into that many equal parts.
+        The idle share of a step (bubble) is (P-1)/(M+P-1).
+    schedule: "gpipe" (all forwards, then all backwards) or "1f1b" (at most P micro-batches'
+        activations alive at once).
+    loss_fn(output, targets) -> the mean loss of a micro-batch; default: the output's .loss, else
+        cross-entropy of the logits.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("pipeline() needs torch.distributed.init_process_group() to be called first")
+    world = dist.get_world_size()
+    if not isinstance(stages, int) or stages < 1 or world % stages:
+        raise ValueError(
+            f"pipeline: stages={stages!r} must be a positive divisor of the world size {world}; "
+            f"use a world size of k * stages"
+        )
+    if not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(f"pipeline: microbatches must be an integer >= 1, got {microbatches!r}")
+    if schedule not in ("gpipe", "1f1b"):
+        raise ValueError(f"pipeline: schedule must be 'gpipe' or '1f1b', got {schedule!r}")
+    if isinstance(model, common.Wrapper):
+        raise ValueError(f"pipeline: the model is already wrapped ({type(model).__name__})")
+    boundaries = list(split) if split is not None else (auto_split(model, stages) if stages > 1 else [])
+    if len(boundaries) != stages - 1:
+        raise ValueError(
+            f"pipeline: split names {len(boundaries)} boundaries; {stages} stages need {stages - 1}"
+        )
+    return Pipeline(
+        model,
+        stages=stages,
+        microbatches=microbatches,
+        schedule=schedule,
+        boundaries=boundaries,
+        loss_fn=loss_fn or default_loss,
+        collective=collective,
+        mixed_precision=mixed_precision,
+    )

@@ -1,0 +1,384 @@
+"""`ElasticSession`: the elastic contract of dtjob's operator for any training script.
+
+    session = ElasticSession()                              # env of the operator or torchrun
+    model = fully_shard(build_model().to(session.device))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    session.track(model, optimizer, scheduler)              # what checkpoints hold
+    sampler = session.batch_sampler(dataset, global_batch_size=32)
+    for step in session.steps(1000):                        # resumes after the newest checkpoint
+        batch = session.to_device(collate([dataset[i] for i in sampler.indices(step)]))
+        loss = model(**batch).loss
+        loss.backward(); optimizer.step(); optimizer.zero_grad()
+        session.report(loss)
+
+What it does: reads the environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT, DTJOB_*),
+picks the device (cuda:LOCAL_RANK when CUDA is there) and joins the gang (NCCL on CUDA with a gloo
+group beside it, gloo on CPU); serves the metrics the operator reads on DTJOB_METRICS_PORT +
+LOCAL_RANK; turns SIGTERM into "finish this step, checkpoint on every rank, exit 75" (all ranks
+agree on it after every step, so they stop after the same one); checkpoints every
+`checkpoint_every` steps and at the end, sharded and atomic, and resumes from the newest one at any
+world size (model, optimizer, scheduler, random state, data position, the user's extras). The
+batch sampler gives every step the same samples whatever the world size, so a resumed run
+continues the same trajectory. When `steps()` ends it logs the closing line (dtjob.contract).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any, TextIO
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dtjob import contract
+from dtjob.trainer import elastic
+from dtjob.trainer.checkpoint import Checkpointer, Loaded
+from dtjob.trainer.comm_metrics import instrument_comm
+from dtjob.trainer.data import GlobalBatchSampler
+from dtjob.trainer.device import backend_for, resolve_device
+from dtjob.trainer.metrics import TrainerMetrics
+from dtjob.trainer.parallel.comm import control_group
+from dtjob.trainer.signals import StopRequest
+from dtjob.trainer.train_state import TrainState
+
+log = logging.getLogger("dtjob.trainer")
+
+ENV_STEP_GATE = "DTJOB_STEP_GATE"
+
+
+class SessionError(Exception):
+    """The session cannot start as configured (e.g. its metrics port is taken)."""
+
+
+class Stopped(SystemExit):
+    """Leaving `steps()` after a stop was agreed and a checkpoint written: exit status 75."""
+
+    def __init__(self) -> None:
+        super().__init__(contract.EXIT_STOPPED)
+
+
+class ElasticSession:
+    """See the module docstring. Every argument left None is read from the environment.
+
+    checkpoint_dir: shared directory of checkpoints (env DTJOB_CHECKPOINT_DIR; None: no checkpoints,
+        and a stop request exits 75 without one).
+    checkpoint_every: steps between checkpoints (0: only at the end and on a stop).
+    keep_checkpoints: how many of the newest checkpoints to keep.
+    device: "auto", "cpu" or "cuda" (env DTJOB_DEVICE, default auto).
+    metrics_port: Prometheus port, + LOCAL_RANK (env DTJOB_METRICS_PORT; 0: off).
+    seed: seeds torch, numpy and random on every rank alike (model init), and the data order.
+    log_file: where rank 0 appends one JSON line per step (default stdout).
+    collective_timeout / rendezvous_timeout: seconds, see elastic.py.
+    gang: who this process is (default: from the environment).
+    step_gate: tests only (env DTJOB_STEP_GATE): before step s, wait until this file holds a
+        number >= s, so a test acts at the step it chooses instead of racing the trainer.
+    """
+
+    def __init__(
+        self,
+        *,
+        checkpoint_dir: str | None = None,
+        checkpoint_every: int = 50,
+        keep_checkpoints: int = 3,
+        device: str | None = None,
+        metrics_port: int | None = None,
+        seed: int = 0,
+        log_file: str | None = None,
+        collective_timeout: float = 60.0,
+        rendezvous_timeout: float = 300.0,
+        gang: elastic.Gang | None = None,
+        config: Mapping[str, Any] | None = None,
+        step_gate: str | None = None,
+    ) -> None:
+        self.gang = gang or elastic.Gang.from_env(
+            collective_timeout=collective_timeout, rendezvous_timeout=rendezvous_timeout
+        )
+        g = self.gang
+        self.device = resolve_device(device or os.environ.get(contract.ENV_DEVICE) or "auto", g.local_rank)
+        self.seed = seed
+        self.config = dict(config or {})
+        self.checkpoint_every = checkpoint_every
+        gate = step_gate or os.environ.get(ENV_STEP_GATE)
+        self._gate = Path(gate) if gate else None
+        directory = (
+            checkpoint_dir if checkpoint_dir is not None else os.environ.get(contract.ENV_CHECKPOINT_DIR)
+        )
+        self.checkpoint_dir = Path(directory) if directory else None
+        port = (
+            metrics_port if metrics_port is not None else int(os.environ.get(contract.ENV_METRICS_PORT) or 0)
+        )
+        self.metrics = TrainerMetrics()
+        self.metrics.world_size.set(g.world_size)
+        self.metrics.generation.set(g.generation)
+        self.metrics.rank.set(g.rank)
+        if port:
+            try:
+                self.metrics.serve(port + g.local_rank)
+            except OSError as err:
+                raise SessionError(
+                    f"metrics_port (env DTJOB_METRICS_PORT): cannot serve on port {port + g.local_rank}: "
+                    f"{err}"
+                ) from None
+        instrument_comm(self.metrics)  # bytes and seconds of every collective the wrappers issue
+        self.stop = StopRequest()
+        elastic.init_process_group(g, backend_for(self.device))
+        # From here on SIGTERM means "finish the step, checkpoint, exit 75". Until the gang formed
+        # it killed at once: nothing was trained that a checkpoint would keep.
+        self.stop.install()
+        self.group = control_group()
+        self.checkpointer = (
+            Checkpointer(
+                self.checkpoint_dir, g.rank, g.world_size, g.generation, keep_checkpoints, self.group
+            )
+            if self.checkpoint_dir is not None
+            else None
+        )
+        self._seed_everything(seed)
+        self.state: TrainState | None = None
+        self.sampler: GlobalBatchSampler | None = None
+        self.start_step = 0
+        self.step = 0
+        self._resumed = False
+        self._reported = False
+        self._step_started = time.perf_counter()
+        self.last_saved_step = -1
+        self.last_saved_time = 0.0
+        self._out: TextIO = sys.stdout
+        if log_file and g.rank == 0:
+            Path(log_file).parent.mkdir(parents=True, exist_ok=True)
+            self._out = open(log_file, "a", encoding="utf-8")  # noqa: SIM115 (closed by close())
+
+    # -- who and where -----------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self.gang.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.gang.world_size
+
+    @property
+    def generation(self) -> int:
+        return self.gang.generation
+
+    def to_device(self, batch: Any) -> Any:
+        """`batch` (a tensor, or dicts/lists/tuples of them) on the session's device: pinned host
+        memory and non-blocking copies on CUDA."""
+        if isinstance(batch, torch.Tensor):
+            if self.device.type == "cuda":
+                return batch.pin_memory().to(self.device, non_blocking=True)
+            return batch.to(self.device)
+        if isinstance(batch, Mapping):
+            return type(batch)({k: self.to_device(v) for k, v in batch.items()})  # type: ignore[call-arg]
+        if isinstance(batch, (list, tuple)):
+            return type(batch)(self.to_device(v) for v in batch)
+        return batch
+
+    # -- what to checkpoint, and the data ------------------------------------------------------------
+    def track(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Any = None,
+        **extras: Any,
+    ) -> None:
+        """What every checkpoint saves and a resume restores: the (wrapped) model, its optimizer,
+        a learning-rate scheduler, and extras (plain values and tensors, available as
+        `session.extras` after a resume)."""
+        self.state = TrainState(model, optimizer, scheduler, extras)
+
+    @property
+    def extras(self) -> dict[str, Any]:
+        return self.state.extras if self.state is not None else {}
+
+    def batch_sampler(
+        self, dataset: Any, global_batch_size: int, *, shuffle: str = "epoch", steps: int | None = None
+    ) -> GlobalBatchSampler:
+        """Global-order batches over a map-style dataset (or a length). Data-parallel rank and size
+        come from the tracked model (a pipeline's replicas), else rank and world size."""
+        size = dataset if isinstance(dataset, int) else len(dataset)
+        model = self.state.model if self.state is not None else None
+        dp_rank = int(getattr(model, "data_parallel_rank", self.rank))
+        dp_size = int(getattr(model, "data_parallel_size", self.world_size))
+        self.sampler = GlobalBatchSampler(
+            size,
+            global_batch_size,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+            seed=self.seed,
+            shuffle=shuffle,
+            steps=steps,
+        )
+        self.sampler.start_step = self.start_step
+        return self.sampler
+
+    # -- resume --------------------------------------------------------------------------------------
+    def resume(self, check: Any = None) -> int:
+        """Load the newest valid checkpoint into what `track` registered; returns its step (0: none).
+        `check(manifest)` may raise to refuse a checkpoint that does not fit this run."""
+        self._resumed = True
+        if self.checkpointer is None or self.state is None:
+            return 0
+        loaded: Loaded | None = self.checkpointer.load_latest(self.state, check)
+        if loaded is None:
+            log.info("no checkpoint in %s; starting at step 1", self.checkpointer.root)
+            return 0
+        step = loaded.step
+        if loaded.manifest["world_size"] != self.world_size:
+            # Per-rank random streams cannot be carried across world sizes; derive fresh ones.
+            self._seed_everything(
+                int(np.random.SeedSequence([self.seed, step, self.rank]).generate_state(1)[0])
+            )
+        self.start_step = self.step = step
+        if self.sampler is not None:
+            self.sampler.start_step = step
+        self.last_saved_step = step
+        self.last_saved_time = float(loaded.manifest["time"])
+        m = self.metrics
+        m.checkpoint_load_seconds.set(loaded.seconds)
+        m.last_checkpoint_step.set(step)
+        m.last_checkpoint_timestamp.set(loaded.manifest["time"])
+        m.step.set(step)
+        log.info(
+            "resumed from %s (written at world size %d, generation %d) in %.2fs",
+            loaded.directory,
+            loaded.manifest["world_size"],
+            loaded.manifest["generation"],
+            loaded.seconds,
+        )
+        return step
+
+    # -- the loop ------------------------------------------------------------------------------------
+    def steps(self, total: int) -> Iterator[int]:
+        """Yield the steps still to run, start_step + 1 .. total. After each: agree on a stop,
+        checkpoint when due (every checkpoint_every steps, the last step, a stop); on a stop raise
+        `Stopped` (SystemExit 75). Logs the closing line when the last step is done."""
+        if not self._resumed:
+            self.resume()
+        if self.start_step >= total:
+            log.info("checkpoint step %d is already at %d steps; nothing to do", self.start_step, total)
+            self._complete(total)
+            return
+        if elastic.agree(self.stop.requested):
+            log.info(
+                "stop requested before the first step; the newest checkpoint stays at step %d",
+                self.start_step,
+            )
+            raise Stopped
+        for step in range(self.start_step + 1, total + 1):
+            if self._gate is not None:
+                self._wait_for_gate(step)
+            self.step = step
+            self._reported = False
+            self._step_started = time.perf_counter()
+            yield step
+            stopping = elastic.agree(self.stop.requested)
+            due = self.checkpoint_every > 0 and step % self.checkpoint_every == 0
+            if stopping or step == total or due:
+                self.save(step)
+            if stopping:
+                if self.checkpointer is None:
+                    log.warning("stopping at step %d without a checkpoint: no checkpoint_dir", step)
+                log.info(
+                    "stopped after step %d on %s; exit %d", step, self.stop.signal_name, contract.EXIT_STOPPED
+                )
+                raise Stopped
+        self._complete(total)
+
+    def _wait_for_gate(self, step: int) -> None:
+        while not self.stop.requested:
+            try:
+                if int(self._gate.read_text().strip() or 0) >= step:  # type: ignore[union-attr]
+                    return
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.05)
+
+    def report(self, loss: torch.Tensor | float, **fields: Any) -> float:
+        """Publish this step's loss (a tensor: this rank's mean, averaged over the world here; a
+        float: already the global mean) and any extra JSON fields; returns the global loss."""
+        if isinstance(loss, torch.Tensor):
+            t = loss.detach().reshape(1).to(torch.float64)
+            dist.all_reduce(t)
+            value = float(t.item()) / self.world_size  # the one host synchronisation of a step
+        else:
+            value = float(loss)
+        seconds = time.perf_counter() - self._step_started
+        m = self.metrics
+        m.step.set(self.step)
+        m.loss.set(value)
+        record: dict[str, Any] = {
+            "step": self.step,
+            "loss": value,
+            "world_size": self.world_size,
+            "generation": self.generation,
+            "step_seconds": round(seconds, 6),
+        }
+        if self.sampler is not None:
+            samples_per_s = self.sampler.global_batch_size / seconds
+            m.samples_per_second.set(samples_per_s)
+            record["samples_per_s"] = round(samples_per_s, 3)
+        if self.device.type == "cuda":
+            m.observe_gpu_memory(self.device)
+        m.step_seconds.set(seconds)
+        record.update(fields)
+        if isinstance(fields.get("lr"), (int, float)):
+            m.learning_rate.set(fields["lr"])
+        if isinstance(fields.get("tokens_per_s"), (int, float)):
+            m.tokens_per_second.set(fields["tokens_per_s"])
+        if isinstance(fields.get("mfu"), (int, float)):
+            m.model_flops_utilization.set(fields["mfu"])
+        if self.rank == 0:
+            self._out.write(json.dumps(record) + "\n")
+            self._out.flush()
+        self._reported = True
+        return value
+
+    # -- checkpoints -------------------------------------------------------------------------------
+    def save(self, step: int) -> Path | None:
+        """Write the checkpoint of `step` now (every rank calls it); None without checkpoint_dir."""
+        if self.checkpointer is None or self.state is None or step == self.last_saved_step:
+            return None
+        started = time.perf_counter()
+        meta = {
+            "data": self.sampler.position(step + 1) if self.sampler is not None else {"next_step": step + 1},
+            "config": self.config,
+        }
+        path = self.checkpointer.save(step, self.state, meta)
+        seconds = time.perf_counter() - started
+        self.last_saved_step = step
+        self.last_saved_time = time.time()
+        m = self.metrics
+        m.checkpoint_save_seconds.set(seconds)
+        m.last_checkpoint_step.set(step)
+        m.last_checkpoint_timestamp.set(self.last_saved_time)
+        m.checkpoints_saved.inc()
+        log.info("checkpoint %s written in %.2fs", path, seconds)
+        return path
+
+    def _complete(self, total: int) -> None:
+        """The operator reads this line from rank 0's log once it exited (dtjob.contract)."""
+        if self.last_saved_step > 0:
+            log.info(contract.complete_line(total, self.last_saved_step, self.last_saved_time))
+        else:
+            log.info(contract.complete_line(total))
+
+    def close(self) -> None:
+        if self._out is not sys.stdout:
+            self._out.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def _seed_everything(self, seed: int) -> None:
+        torch.manual_seed(seed)
+        np.random.seed(seed % 2**32)
+        random.seed(seed)
