@@ -79,6 +79,8 @@ def gang_job(op: Operator, name: str, replicas: int, gpus: int = 0, **kw: Any) -
         resources = manifest["spec"]["template"]["spec"]["containers"][0]["resources"]
         resources["requests"]["nvidia.com/gpu"] = gpus
         resources["limits"] = {"nvidia.com/gpu": gpus}
+        # the devcluster's GPUs are only capacity: one CPU trainer process per pod, not one per GPU
+        manifest["spec"]["nprocPerWorker"] = 1
     return manifest
 
 
