@@ -358,8 +358,13 @@ def test_helm_chart_with_volcano_enabled_runs_queued_jobs_to_succeeded(op: Opera
         print(f"\nhelm + volcano: bound at {starts}, done at {ends}")
         later, earlier = sorted(starts, key=lambda n: starts[n], reverse=True)
         assert starts[later] >= ends[earlier], f"both ran at once in a queue for one: {starts} {ends}"
+        said = {n: [(e["reason"], e["message"]) for e in events(chart_op, n) if "Gang" in e["reason"]]
+                for n in starts}  # fmt: skip
+        print(f"gang conditions: {[condition(d, 'GangScheduled') for d in (first, second)]}; events: {said}")
+        # what the chart's RBAC lets the operator read: the PodGroups and the queue
+        assert any("Volcano queue vq-helm is full" in m for _, m in said[later]), said[later]
         for done in (first, second):
-            assert done["step"] == 20 and condition(done, "GangScheduled")["status"] == "True"
+            assert done["step"] == 20 and "Volcano PodGroup" in condition(done, "GangScheduled")["message"]
     finally:
         kubectl("delete", "dtj", "--all", "-n", jobs_ns, "--wait=true", "--timeout=60s")
         helm("uninstall", HELM_RELEASE, "--namespace", HELM_NS, "--wait", timeout=300)

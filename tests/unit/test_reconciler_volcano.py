@@ -283,3 +283,6 @@ def test_waiting_gang_says_when_its_queue_is_full_closed_or_missing() -> None:
     roomy = said(queue=volcano_queue(capability={"cpu": "8"}, cpu="4"))
     assert "Volcano queue" not in roomy and "3/4 tasks in gang unschedulable" in roomy
     assert "full" not in said(), "no queue read (an install without the right): nothing claimed"
+    # members bound, PodGroup still Inqueue: the queue's allocation is this gang's own
+    pending[0] = make_pod(0, phase="Pending", node="n1")
+    assert "full" not in said(queue=volcano_queue(capability={"cpu": "6", "memory": "8Gi"}, cpu="4"))

@@ -78,10 +78,14 @@ class GangView:
 
 
 def view(
-    podgroup: Mapping[str, Any], queue: Mapping[str, Any] | None = None, queue_missing: bool = False
+    podgroup: Mapping[str, Any],
+    queue: Mapping[str, Any] | None = None,
+    queue_missing: bool = False,
+    placing: bool = False,
 ) -> GangView:
     """What the job says about its gang. `queue` is the PodGroup's Volcano Queue as observed (None
-    when it could not be read; queue_missing when it does not exist)."""
+    when it could not be read; queue_missing when it does not exist). `placing`: some members are
+    bound already, so the queue's allocation counts them and says nothing about room for them."""
     name = (podgroup.get("metadata") or {}).get("name", "")
     status = podgroup.get("status") or {}
     phase = str(status.get("phase") or "Pending")
@@ -91,7 +95,7 @@ def view(
     scheduled = phase in SCHEDULED_PHASES
     if scheduled:
         return GangView(True, phase, message, None)
-    reasons = [queue_reason(podgroup, queue, queue_missing)]
+    reasons = [None if placing else queue_reason(podgroup, queue, queue_missing)]
     last = last_condition(podgroup) or {}
     if last.get("type") == UNSCHEDULABLE and last.get("status") == "True":
         reasons.append(str(last.get("message") or last.get("reason") or "").strip() or None)

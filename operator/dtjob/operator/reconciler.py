@@ -320,7 +320,7 @@ def reconcile(obs: Observed) -> list[Action]:
     observed = (obs.job.get("metadata") or {}).get("generation")
     if observed is not None:
         p.status["observedGeneration"] = observed
-    _read_gang(p)
+    _read_gang(p, [w for w in workers if w.generation == p.status.get("generation")])
     _read_metrics(p)
     return _finish(p)
 
@@ -638,14 +638,15 @@ def _converge_pods(p: _Pass, workers: Sequence[Worker], current: Sequence[Worker
         p.set_phase(RUNNING, "Running", f"generation {generation}: all {size} workers running")
 
 
-def _read_gang(p: _Pass) -> None:
+def _read_gang(p: _Pass, current: Sequence[Worker]) -> None:
     """Volcano's view of the gang (its PodGroup's phase, and while it waits the scheduler's
     reason) as the job's GangScheduled condition; a Warning event each time the scheduler gives a
     new reason, a Normal one when the gang is placed."""
     group = p.obs.podgroup
     if not p.job.uses_podgroup or group is None or p.status.get("phase") in FINISHED:
         return  # a finished job keeps the view of its last run (Volcano calls it Completed next)
-    seen = gang.view(group, p.obs.queue, p.obs.queue_missing)
+    placing = any(w.node_name and not w.deleting for w in current)
+    seen = gang.view(group, p.obs.queue, p.obs.queue_missing, placing)
     before = p.condition(gang.CONDITION) or {}
     if seen.scheduled and before.get("status") != "True":
         p.event("GangScheduled", seen.message)
