@@ -111,7 +111,7 @@ def test_volcano_job_gets_a_podgroup_of_the_gang_shape(op: Operator) -> None:
         assert pod["spec"]["schedulerName"] == "volcano"
         assert pod["metadata"]["annotations"]["scheduling.k8s.io/group-name"] == "gang"
         assert pod["spec"].get("priorityClassName") == "dtjob-e2e-high"
-    # no Volcano scheduler runs here: the gang waits, Pending
+    # no Volcano scheduler runs here (or, after `up --volcano`, no queue `research`): the gang waits
     assert status(op, "gang")["phase"] == "Pending"
     kubectl("delete", "dtj", "gang", "-n", op.namespace, "--wait=true", "--timeout=60s", check=True)
 
