@@ -475,17 +475,17 @@ def aliased_output(rank: int, n: int, per_rank: int) -> dict[str, Any]:
 
 
 def trainer_comm_metrics(rank: int, n: int, arg: Any) -> dict[str, Any]:
-    """The trainer's Peers with every algorithm choice, as the strategies call it, and the metric
+    """The trainer's Comm with every algorithm choice, as the strategies call it, and the metric
     labels it reports: the algorithm that ran (auto resolved), sync and async alike."""
     from dtjob.trainer.comm_metrics import instrument_comm
     from dtjob.trainer.metrics import TrainerMetrics
-    from dtjob.trainer.parallel.comm import Peers
+    from dtjob.trainer.parallel.comm import Comm
 
     metrics = TrainerMetrics()
     instrument_comm(metrics)
     labels: dict[str, list[str]] = {}
     for algorithm in ("auto", "direct", "native"):
-        comm = Peers(algorithm)
+        comm = Comm(algorithm)
         small, large = torch.full((8,), float(rank)), torch.full((1 << 20,), float(rank))
         comm.all_reduce_sum(small)
         comm.all_reduce_sum(large, async_op=True).wait()
@@ -504,7 +504,7 @@ def trainer_comm_metrics(rank: int, n: int, arg: Any) -> dict[str, Any]:
         if scattered.tolist() != [float(n)] * 2 or shared.tolist() != [float(n - 1)] * 5:
             raise AssertionError(f"{algorithm}: reduce_scatter {scattered.tolist()}, bcast {shared.tolist()}")
     # The pipeline's point-to-point messages: an async send one way, a blocking one back.
-    comm, peer = Peers("auto"), (rank + 1) % n
+    comm, peer = Comm("auto"), (rank + 1) % n
     outgoing, incoming = torch.full((3,), float(rank)), torch.empty(3)
     if rank % 2 == 0:
         comm.send(outgoing, peer, tag=7, async_op=True).wait()

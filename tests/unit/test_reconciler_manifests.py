@@ -177,7 +177,7 @@ def test_integer_quantities_of_the_template_reach_the_pod_as_strings() -> None:
     job = make_job()
     container = job["spec"]["template"]["spec"]["containers"][0]
     container["resources"] = {"requests": {"cpu": 1, "nvidia.com/gpu": 1}, "limits": {"nvidia.com/gpu": 1}}
-    pod = worker_pod(JobView(job), 0, 4, 0)
+    pod = worker_pod(JobView(job), 0, 4, 0, WorkerDefaults())
     resources = pod["spec"]["containers"][0]["resources"]
     assert resources == {"requests": {"cpu": "1", "nvidia.com/gpu": "1"}, "limits": {"nvidia.com/gpu": "1"}}
     assert job["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": 1}

@@ -201,7 +201,8 @@ def _int_or_none(value: Any) -> int | None:
 @dataclass(frozen=True)
 class Failure:
     worker: Worker
-    reason: str  # WorkerFailed, WorkerDeleted, NodeLost, WorkerStopped, Preempted, PeerLost, ProgressDeadlineExceeded
+    # WorkerFailed, WorkerDeleted, NodeLost, WorkerStopped, Preempted, PeerLost, ProgressDeadlineExceeded
+    reason: str
     message: str
     counted: bool  # counts towards maxRestarts
     lost_rank: int | None = None  # PeerLost: the rank its log names

@@ -11,15 +11,15 @@ import os
 import signal
 import subprocess
 import sys
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from dtjob.devcluster.nodelet import sandbox
+from dtjob.devcluster.nodelet.config import NodeletConfig
 from dtjob.devcluster.nodelet.dns import RESOLV_CONF, DnsRecord, render_hosts
 from dtjob.devcluster.nodelet.env import SYSTEM_PATH, EnvError, command_line, container_env, referenced_names
 from dtjob.devcluster.nodelet.kubeapi import ApiError, KubeApi
-from dtjob.devcluster.nodelet.config import NodeletConfig
 from dtjob.devcluster.nodelet.state import NodeState, write_json
 from dtjob.devcluster.nodelet.status import Conditions, ContainerRun, exit_code, now
 from dtjob.devcluster.nodelet.volumes import (

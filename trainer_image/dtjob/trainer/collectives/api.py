@@ -29,9 +29,9 @@ from dtjob.trainer.collectives import (
     tuning,
 )
 from dtjob.trainer.collectives.calibration import cost_model, same_everywhere
-from dtjob.trainer.collectives.peers import Peers
 from dtjob.trainer.collectives.errors import InvalidArgument, InvalidType
 from dtjob.trainer.collectives.hierarchical import PodLayout
+from dtjob.trainer.collectives.peers import Peers
 from dtjob.trainer.collectives.reduce_ops import RedOpType, ReduceOpLike, Reduction, check_op, op_kind
 from dtjob.trainer.collectives.selection import HIER, NATIVE
 from dtjob.trainer.collectives.work import CollectiveWork, GroupRunner, runner_for

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import torch
 
 from dtjob.trainer.collectives import ring
-from dtjob.trainer.collectives.peers import Peers, balanced_bounds
 from dtjob.trainer.collectives.errors import InvalidArgument
+from dtjob.trainer.collectives.peers import Peers, balanced_bounds
 from dtjob.trainer.collectives.reduce_ops import Reduction
 
 LOCAL_WORLD_SIZE_ENV = "LOCAL_WORLD_SIZE"
