@@ -9,7 +9,7 @@ import pytest
 from dtjob.api import DistributedTrainingJobSpec, InvalidJobError
 from dtjob.operator.capacity import workers_that_fit
 from dtjob.operator.jobview import JobView
-from dtjob.operator.pods import headless_service, podgroup, worker_pod
+from dtjob.operator.manifests import headless_service, podgroup, worker_pod
 from dtjob.operator.quantity import format_quantity, parse_quantity
 from dtjob.operator.worker_defaults import WorkerDefaults
 from tests.unit.reconciler_fixtures import env_of, make_job, make_node, make_pod

@@ -34,8 +34,8 @@ from dtjob.operator.actions import (
     PatchStatus,
 )
 from dtjob.operator.jobview import API_VERSION, GROUP, KIND, LABEL_JOB, PLURAL, VERSION, JobView
+from dtjob.operator.manifests import PODGROUP_API_VERSION
 from dtjob.operator.metrics import OperatorMetrics
-from dtjob.operator.pods import PODGROUP_API_VERSION
 from dtjob.operator.progress import TrainerProgress
 from dtjob.operator.reconciler import Observed, Worker
 from dtjob.operator.settings import ObserverSettings

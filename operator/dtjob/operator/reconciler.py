@@ -45,8 +45,7 @@ from typing import Any
 
 from dtjob import contract
 from dtjob.api import validate_job
-from dtjob.operator import gang
-from dtjob.operator import pods as manifests
+from dtjob.operator import gang, manifests
 from dtjob.operator.actions import (
     Action,
     ApplyPodGroup,
