@@ -204,6 +204,20 @@ def test_sharded_module_between_steps_holds_only_shards_and_its_state_dict_works
         model.module.layers[0](torch.zeros(1, 4))
 
 
+def test_a_pipeline_stage_state_dict_is_its_own_tensors_under_the_original_names(
+    one_process_group: None,
+) -> None:
+    torch.manual_seed(0)
+    plain = Tower()
+    pipe = pipeline(Tower(), stages=1)
+    pipe.load_state_dict(plain.state_dict())  # a plain model's state dict: the stage takes its part
+    state = pipe.state_dict()
+    assert set(state) <= set(plain.state_dict()) and "layers.3.lin.weight" in state
+    assert all(torch.equal(v, plain.state_dict()[k]) for k, v in state.items())
+    with pytest.raises(KeyError, match="lacks"):
+        pipe.load_state_dict({})
+
+
 def test_comm_rejects_unknown_algorithm_and_wrappers_need_a_process_group() -> None:
     with pytest.raises(ValueError, match="collective must be one of"):
         Comm("tree")
