@@ -204,6 +204,17 @@ def test_sharded_module_between_steps_holds_only_shards_and_its_state_dict_works
         model.module.layers[0](torch.zeros(1, 4))
 
 
+def test_optimizers_that_read_whole_parameters_are_refused_on_pieces(one_process_group: None) -> None:
+    model = fully_shard(Tower(), zero_stage=2)
+    model(torch.randint(0, 10, (2, 3))).sum().backward()
+    for make in (torch.optim.Adafactor, torch.optim.LBFGS):
+        optimizer = make(model.parameters())
+        with pytest.raises(ValueError, match=f"{make.__name__} cannot train a model wrapped by fully_shard"):
+            optimizer.step(lambda: torch.zeros(()))
+    torch.optim.AdamW(model.parameters()).step()  # elementwise: fine
+    torch.optim.Adafactor(Tower().parameters()).step()  # an unwrapped model: none of our business
+
+
 def test_a_pipeline_stage_state_dict_is_its_own_tensors_under_the_original_names(
     one_process_group: None,
 ) -> None:

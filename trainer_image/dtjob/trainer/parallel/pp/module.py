@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from dtjob.trainer.parallel import clip, common
+from dtjob.trainer.parallel import clip, common, guard
 from dtjob.trainer.parallel.comm import Comm, control_group
 from dtjob.trainer.parallel.pp import wire
 from dtjob.trainer.parallel.pp.schedule import schedule_actions
@@ -188,6 +188,8 @@ class Pipeline(common.Wrapper):
             if self.stage in self.plan.owners[id(p)] and p.requires_grad
         ]
         self._device = self._owned[0][1].device if self._owned else torch.device("cpu")
+        for _, p in self._owned:
+            guard.mark(p, "pipeline")
         self._tie_comms = self._tie_groups(module)
         self._free_others(module)
         self._install_hooks(module)
