@@ -69,6 +69,13 @@ def parser() -> argparse.ArgumentParser:
         f"cpu {defaults.fake_cpus_per_node}, memory {defaults.fake_memory_per_node}, "
         f"{defaults.fake_pods_per_node} pods)",
     )
+    up.add_argument(
+        "--volcano",
+        action="store_true",
+        default=None,
+        help="also run Volcano's scheduler and controller manager (built from ../shared/fixtures/volcano "
+        "on first use, ~10 min) with its CRDs and the default queue; adds them to a running cluster",
+    )
     sub.add_parser("down", help="stop everything and remove processes, network and mounts")
     sub.add_parser("status", help="show components and nodes; exit 1 unless all are healthy")
     sub.add_parser("env", help='print shell exports: eval "$(dtjob devcluster env)"')
@@ -90,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
                 "memory_per_node": args.memory_per_node,
                 "fake_nodes": args.fake_nodes,
                 "fake_gpus_per_node": args.fake_gpus_per_node,
+                "volcano": args.volcano,
             }
             return cluster.up(layout, requested)
         if args.command == "down":
