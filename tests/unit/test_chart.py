@@ -88,7 +88,7 @@ def test_namespaced_install_has_a_role_per_namespace_and_reads_only_nodes_cluste
     assert not [d for d in docs if d["kind"] == "ClusterKopfPeering"]
     # The only cluster-wide grant: reading nodes.
     cluster_role = only(docs, "ClusterRole")
-    assert cluster_role["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["list"]}]
+    assert cluster_role["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["list", "watch"]}]
     role_resources = {
         r for d in docs if d["kind"] == "Role" for rule in d["rules"] for r in rule["resources"]
     }
@@ -114,7 +114,7 @@ def test_rbac_grants_no_wildcards_no_secrets_and_nodes_read_only() -> None:
                 rule["verbs"]
             ), rule
             if "nodes" in rule["resources"]:
-                assert rule["verbs"] == ["list"]
+                assert rule["verbs"] == ["list", "watch"]
 
 
 def test_volcano_podgroups_are_granted_only_when_enabled() -> None:

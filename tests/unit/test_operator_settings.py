@@ -39,8 +39,9 @@ def test_no_flags_and_no_environment_give_the_default_settings() -> None:
 def test_each_tuning_flag_sets_its_field() -> None:
     argv = ["-n", "a", "-n", "b", "--standalone", "--liveness", "none", "--max-workers", "3",
             "--grow-hold-seconds", "7", "--unplanned-stop-grace-seconds", "2", "--metrics-grace-seconds", "9",
-            "--cluster-view-ttl-seconds", "0.5", "--metrics-timeout-seconds", "0.25",
-            "--log-tail-lines", "40",
+            "--cache-sync-timeout-seconds", "12", "--api-concurrency", "8",
+            "--metrics-timeout-seconds", "0.25", "--scrape-workers", "4", "--scrape-interval-seconds", "2",
+            "--scrape-backoff-max-seconds", "16", "--log-tail-lines", "40", "--log-reads-per-pass", "3",
             "--retry-backoff-seconds", "0.5", "--retry-backoff-max-seconds", "8"]  # fmt: skip
     built = build_settings(parse_args(argv), {ENV_SERVICE_ACCOUNT: "workers"})
     assert built == OperatorSettings(
@@ -55,7 +56,14 @@ def test_each_tuning_flag_sets_its_field() -> None:
             workers=WorkerDefaults(service_account="workers"),
         ),
         observer=ObserverSettings(
-            cluster_view_ttl_seconds=0.5, metrics_timeout_seconds=0.25, log_tail_lines=40
+            cache_sync_timeout_seconds=12,
+            api_concurrency=8,
+            metrics_timeout_seconds=0.25,
+            scrape_workers=4,
+            scrape_interval_seconds=2,
+            scrape_backoff_max_seconds=16,
+            log_tail_lines=40,
+            log_reads_per_pass=3,
         ),
         retry=RetrySettings(backoff_seconds=0.5, backoff_max_seconds=8),
     )

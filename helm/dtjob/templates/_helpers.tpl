@@ -103,15 +103,17 @@ test_helm_chart.py shows the operator failing without each rule.
 - apiGroups: [training.dtjob.io]
   resources: [distributedtrainingjobs/status]
   verbs: [patch]
-# Worker pods: watched (kopf) and listed per job, created per generation, deleted to stop a gang.
+# Worker pods: listed and watched by the operator's cache (and, in an all-namespaces install,
+# every pod bound to a node, which capacity counts), created per generation, deleted to stop a gang.
 - apiGroups: [""]
   resources: [pods]
   verbs: [list, watch, create, delete]
-# The headless Service that gives workers their DNS names (read to see whether it exists); it
-# goes with the job through its owner reference.
+# The headless Service that gives workers their DNS names: the operator's cache lists and watches
+# those it created (label app.kubernetes.io/managed-by) to see whether a job's exists; it goes
+# with the job through its owner reference.
 - apiGroups: [""]
   resources: [services]
-  verbs: [get, create]
+  verbs: [list, watch, create]
 # The final step of a finished job: rank 0's metrics endpoint is gone once it exits, so the
 # operator reads the step from the last line of its log (kube.py).
 - apiGroups: [""]
@@ -133,15 +135,16 @@ test_helm_chart.py shows the operator failing without each rule.
 Cluster-scoped reads. Nodes: a worker whose node turns NotReady or disappears starts a new
 generation, and only the Node object says so (the pod keeps reporting Running until the node
 controller evicts it, minutes later); node capacity also decides how far a job shrinks. The
-operator lists nodes on each reconcile and never changes them. With volcano.enabled it also reads
-Volcano queues. Nothing else cluster-scoped is granted: kopf runs on its startup discovery without
-CRD or namespace watches (the operator sets settings.scanning.disabled, handlers.py).
+operator's cache lists and watches nodes (a node turning NotReady triggers the jobs on it) and
+never changes them. With volcano.enabled it also reads Volcano queues. Nothing else cluster-scoped
+is granted: kopf runs on its startup discovery without CRD or namespace watches (the operator sets
+settings.scanning.disabled, handlers.py).
 */}}
 {{- define "dtjob.clusterReadRules" -}}
 # Nodes, read-only: a NotReady or vanished node restarts the gangs with workers on it.
 - apiGroups: [""]
   resources: [nodes]
-  verbs: [list]
+  verbs: [list, watch]
 {{- if .Values.volcano.enabled }}
 # Volcano queues (cluster-scoped), read-only: a waiting gang's job says when its queue is full,
 # closed or missing, which the scheduler writes on no object.

@@ -1,9 +1,12 @@
 """Thin kopf handlers: every trigger ends in `JobPassRunner.trigger(namespace, name)`.
 
-Triggers: a timer per job (scrapes the trainer's step, notices deadlines, TTLs and node loss), any
-event of the job itself (create, spec change such as `kubectl scale`, status), and any event of a
-pod labelled with a job name (a worker failed, was deleted, started running), so recovery starts
-as soon as the API server reports the change.
+Triggers: a timer per job (notices deadlines, TTLs and capacity coming back), and any event of the
+job itself (create, spec change such as `kubectl scale`, status). Pods and nodes are not watched
+through kopf: the operator's own caches (dtjob.operator.cache) watch them and trigger the job of
+a pod that changed (a worker failed, was deleted, started running) or of a lost node once they
+hold the change, so the pass they trigger sees it, and recovery starts as soon as the API server
+reports it. Each handler also tells the runner that kopf handed it the job (`handed`): kopf's
+peering pauses every handler of a replica that is not the active one.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from typing import Any
 
 import kopf
 
-from dtjob.operator.jobview import GROUP, LABEL_JOB, PLURAL, VERSION
+from dtjob.operator.jobview import GROUP, PLURAL, VERSION
 from dtjob.operator.passes import JobPassRunner
 from dtjob.operator.settings import OperatorSettings
 
@@ -54,6 +57,7 @@ def build_registry(runner: JobPassRunner, settings: OperatorSettings) -> kopf.Op
 
     @kopf.timer(GROUP, VERSION, PLURAL, interval=settings.interval_seconds, registry=registry)
     def job_timer(namespace: str | None, name: str, status: kopf.Status, spec: kopf.Spec, **_: Any) -> None:
+        runner.handed(namespace or "default", name)
         if not needs_timer(status.get("phase"), spec):
             return  # idle: only a spec change (a job event) or a pod event can change anything
         runner.trigger(namespace or "default", name)
@@ -63,10 +67,7 @@ def build_registry(runner: JobPassRunner, settings: OperatorSettings) -> kopf.Op
         if type == "DELETED":
             runner.forget(namespace or "default", name)
         else:
+            runner.handed(namespace or "default", name)
             runner.trigger(namespace or "default", name)
-
-    @kopf.on.event("", "v1", "pods", labels={LABEL_JOB: kopf.PRESENT}, registry=registry)
-    def pod_event(namespace: str | None, labels: kopf.Labels, **_: Any) -> None:
-        runner.trigger(namespace or "default", labels[LABEL_JOB])
 
     return registry

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
-import time
-import urllib.request
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from typing import Any, cast
+from urllib.parse import urlsplit
 
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
@@ -33,11 +32,14 @@ from dtjob.operator.actions import (
     ObserveRecovery,
     PatchStatus,
 )
-from dtjob.operator.jobview import API_VERSION, GROUP, KIND, LABEL_JOB, PLURAL, VERSION, JobView
+from dtjob.operator.cache import ClusterCache
+from dtjob.operator.jobview import API_VERSION, GROUP, KIND, PLURAL, VERSION, JobView
 from dtjob.operator.manifests import PODGROUP_API_VERSION
 from dtjob.operator.metrics import OperatorMetrics
 from dtjob.operator.progress import TrainerProgress
+from dtjob.operator.rawapi import RawApi, quoted
 from dtjob.operator.reconciler import Observed, Worker
+from dtjob.operator.scrape import Scraper, Target
 from dtjob.operator.settings import ObserverSettings
 
 log = logging.getLogger("dtjob.operator")
@@ -108,19 +110,41 @@ def final_state_from_log(text: str) -> TrainerProgress | None:
 
 
 class Kube:
-    """One client for the whole operator."""
+    """One client for the whole operator: caches for what passes read (dtjob.operator.cache), a
+    background scraper of rank 0 (dtjob.operator.scrape), and a bounded pool for pod writes."""
 
-    def __init__(self, metrics: OperatorMetrics, settings: ObserverSettings) -> None:
+    def __init__(
+        self, metrics: OperatorMetrics, settings: ObserverSettings, namespaces: tuple[str, ...] = ()
+    ) -> None:
         self.settings = settings
-        self.api = client.ApiClient()
+        configuration = client.Configuration.get_default_copy()
+        # Every pod write of the pool may hold a connection at once, beside the watches and the
+        # passes' own reads; urllib3's default pool keeps 5 per CPU, and a request past it opens
+        # (and then drops) a connection of its own.
+        configuration.connection_pool_maxsize = settings.api_concurrency + 16
+        self.api = client.ApiClient(configuration)
+        _count_requests(self.api, metrics)
         self.core = client.CoreV1Api(self.api)
         self.custom = client.CustomObjectsApi(self.api)
+        self.raw = RawApi(self.api)
         self.metrics = metrics
-        self._cluster_lock = threading.Lock()
-        self._cluster_view: tuple[float, list[dict[str, Any]], list[dict[str, Any]]] | None = None
+        self.cache = ClusterCache(self.raw, namespaces)
+        self.scraper = Scraper(settings)
+        self._writes = ThreadPoolExecutor(settings.api_concurrency, thread_name_prefix="kube-write")
+
+    def start(self, trigger: Callable[[str, str], None]) -> None:
+        """Starts the caches' watches; `trigger(namespace, name)` is called (from their threads)
+        for every job whose pods changed, whose node was lost, or whose rank 0 said something new."""
+        self.scraper.on_change = trigger
+        self.cache.start(trigger)
+
+    def forget(self, namespace: str, name: str) -> None:
+        self.scraper.forget((namespace, name))
 
     # observing ----------------------------------------------------------------------------
     def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """The job as the API server has it now: its status is the operator's memory, so every
+        pass starts from the one the last pass wrote, never from a cache that may lag it."""
         try:
             return cast(
                 dict[str, Any],
@@ -131,42 +155,11 @@ class Kube:
                 return None
             raise
 
-    def _cluster(self, namespace: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-        """Nodes, and the pods bound to nodes (cached briefly: settings.cluster_view_ttl_seconds)."""
-        with self._cluster_lock:
-            now = time.monotonic()
-            if self._cluster_view and now - self._cluster_view[0] < self.settings.cluster_view_ttl_seconds:
-                return self._cluster_view[1], self._cluster_view[2]
-            nodes = [_dict(self.api, n) for n in self.core.list_node().items]
-            try:
-                bound = self.core.list_pod_for_all_namespaces(field_selector="spec.nodeName!=").items
-            except ApiException as e:
-                if e.status != 403:
-                    raise
-                # a namespaced operator may not list every pod: count what it can see
-                bound = self.core.list_namespaced_pod(namespace, field_selector="spec.nodeName!=").items
-            pods = [_dict(self.api, p) for p in bound]
-            self._cluster_view = (now, nodes, pods)
-            return nodes, pods
-
     def observe(self, job: dict[str, Any]) -> Observed:
+        self.cache.wait_synced(self.settings.cache_sync_timeout_seconds)
         view = JobView(job)
-        pods = [
-            _dict(self.api, p)
-            for p in self.core.list_namespaced_pod(
-                view.namespace, label_selector=f"{LABEL_JOB}={view.name}"
-            ).items
-        ]
         # Only pods this job controls (a same-named predecessor's pods are left to the GC).
-        pods = [p for p in pods if _controlled_by(p, view.uid)]
-        nodes, node_pods = self._cluster(view.namespace)
-        try:
-            self.core.read_namespaced_service(view.name, view.namespace)
-            service_exists = True
-        except ApiException as e:
-            if e.status != 404:
-                raise
-            service_exists = False
+        pods = [p for p in self.cache.job_pods(view.namespace, view.name) if _controlled_by(p, view.uid)]
         # An invalid spec is reported by the reconciler; observing must not trip over it first.
         spec_ok = not view.spec_errors
         podgroup = self._get_podgroup(view) if spec_ok and view.uses_podgroup else None
@@ -174,12 +167,12 @@ class Kube:
         return Observed(
             job=job,
             pods=pods,
-            nodes=nodes,
+            nodes=self.cache.node_list(),
             now=datetime.now(UTC),
-            node_pods=node_pods,
-            service_exists=service_exists,
+            node_pods=self.cache.bound_pods(),
+            service_exists=self.cache.service_exists(view.namespace, view.name),
             podgroup=podgroup,
-            progress=self._scrape_rank0(view, pods) if spec_ok else None,
+            progress=self._progress(view, pods) if spec_ok else None,
             worker_logs=self._peer_lost_logs(view, pods),
             queue=queue,
             queue_missing=queue_missing,
@@ -187,16 +180,21 @@ class Kube:
 
     def _peer_lost_logs(self, job: JobView, pods: list[dict[str, Any]]) -> dict[str, str]:
         """Log tails of the current generation's workers that exited EXIT_PEER_LOST: they name
-        the rank that went silent."""
+        the rank that went silent. At most settings.log_reads_per_pass of them, those without a
+        termination message first (one naming the rank makes the log unnecessary)."""
+        candidates = [
+            w
+            for w in (Worker.of(pod) for pod in pods)
+            if w.generation == job.status.get("generation") and w.exit_code == contract.EXIT_PEER_LOST
+        ]
+        candidates.sort(key=lambda w: contract.parse_peer_lost_line(w.message or "") is not None)
         logs: dict[str, str] = {}
-        for pod in pods:
-            w = Worker.of(pod)
-            if w.generation != job.status.get("generation") or w.exit_code != contract.EXIT_PEER_LOST:
-                continue
+        for w in candidates[: self.settings.log_reads_per_pass]:
             try:
                 text = self.core.read_namespaced_pod_log(
-                    w.name, job.namespace, container="trainer", tail_lines=self.settings.log_tail_lines
-                )
+                    w.name, job.namespace, container="trainer", tail_lines=self.settings.log_tail_lines,
+                    _request_timeout=(5, 10),
+                )  # fmt: skip
             except ApiException as e:
                 log.debug("no log of %s/%s: %s", job.namespace, w.name, e.reason)
                 continue
@@ -230,22 +228,21 @@ class Kube:
                 return None, False
             raise
 
-    def _scrape_rank0(self, job: JobView, pods: list[dict[str, Any]]) -> TrainerProgress | None:
+    def _progress(self, job: JobView, pods: list[dict[str, Any]]) -> TrainerProgress | None:
+        """Rank 0's progress: its last answer to the background scraper while it runs, its log's
+        closing line once it succeeded."""
         generation = job.status.get("generation")
         for pod in pods:
             w = Worker.of(pod)
-            if w.rank == 0 and w.generation == generation and w.phase == "Succeeded":
+            if w.rank != 0 or w.generation != generation:
+                continue
+            if w.phase == "Succeeded":
                 return self._final_step(job, w.name)
             ip = (pod.get("status") or {}).get("podIP")
-            if w.rank == 0 and w.generation == generation and w.phase == "Running" and ip:
-                url = f"http://{ip}:{job.metrics_port}/metrics"
-                try:
-                    with urllib.request.urlopen(
-                        url, timeout=self.settings.metrics_timeout_seconds
-                    ) as response:
-                        return parse_trainer_metrics(response.read().decode())
-                except OSError as e:
-                    log.debug("no metrics from %s: %s", url, e)
+            uid = str((pod.get("metadata") or {}).get("uid") or "")
+            if w.phase == "Running" and ip:
+                target = Target(uid, f"http://{ip}:{job.metrics_port}/metrics")
+                return self.scraper.latest((job.namespace, job.name), target)
         return None
 
     def _final_step(self, job: JobView, pod: str) -> TrainerProgress | None:
@@ -254,7 +251,7 @@ class Kube:
             return None  # already recorded
         try:
             text = self.core.read_namespaced_pod_log(
-                pod, job.namespace, tail_lines=self.settings.log_tail_lines
+                pod, job.namespace, tail_lines=self.settings.log_tail_lines, _request_timeout=(5, 10)
             )
         except ApiException as e:
             log.debug("no log of %s/%s: %s", job.namespace, pod, e.reason)
@@ -264,13 +261,57 @@ class Kube:
     # acting -------------------------------------------------------------------------------
     def execute(self, job: Mapping[str, Any], actions: list[Action]) -> None:
         """Carry the actions out in order; the first that fails raises ActionFailed (the rest are
-        left for the next pass, which decides again from what it sees)."""
+        left for the next pass, which decides again from what it sees). A run of pod creations
+        and deletions goes out settings.api_concurrency at a time; when some of them fail, the
+        others still happen, and the first failed one (in the reconciler's order) is raised."""
         view = JobView(job)
-        for action in actions:
+        i = 0
+        while i < len(actions):
+            j = i
+            while j < len(actions) and isinstance(actions[j], (CreatePod, DeletePod)):
+                j += 1
+            if j > i:
+                self._pod_writes(view, cast(list[CreatePod | DeletePod], actions[i:j]))
+                i = j
+                continue
             try:
-                self._execute_one(view, action)
+                self._execute_one(view, actions[i])
             except Exception as error:
-                raise ActionFailed(action, error) from error
+                raise ActionFailed(actions[i], error) from error
+            i += 1
+
+    def _pod_writes(self, job: JobView, writes: list[CreatePod | DeletePod]) -> None:
+        ns, name = job.namespace, job.name
+        for kind, group in (("creating", [w for w in writes if isinstance(w, CreatePod)]),
+                            ("deleting", [w for w in writes if isinstance(w, DeletePod)])):  # fmt: skip
+            if group:
+                reasons = sorted({w.reason for w in group if isinstance(w, DeletePod)})
+                why = f": {'; '.join(reasons)}" if reasons else ""
+                log.info("%s/%s: %s %s%s", ns, name, kind, _names([w.name for w in group]), why)
+        futures = [self._writes.submit(self._pod_write, ns, w) for w in writes]
+        for write, future in zip(writes, futures, strict=True):
+            error = future.exception()
+            if error is not None and not isinstance(error, Exception):
+                raise error  # KeyboardInterrupt and the like: not the action's failure
+            if error is not None:
+                for rest in futures:
+                    rest.exception()  # every write of the batch ends before the pass reports
+                raise ActionFailed(write, error) from error
+
+    def _pod_write(self, ns: str, action: CreatePod | DeletePod) -> None:
+        pods = f"/api/v1/namespaces/{quoted(ns)}/pods"
+        try:
+            if isinstance(action, CreatePod):
+                self.cache.assume_pod(self.raw.call("POST", pods, body=action.manifest, timeout=(10, 30)))
+            else:
+                query = {} if action.grace_seconds is None else {"gracePeriodSeconds": action.grace_seconds}
+                deleted = self.raw.call("DELETE", f"{pods}/{quoted(action.name)}", query, timeout=(10, 30))
+                if deleted.get("kind") == "Pod":
+                    self.cache.assume_pod(deleted)
+        except ApiException as e:
+            # Already there (a create the cache had not seen yet) or already gone: done.
+            if e.status != (409 if isinstance(action, CreatePod) else 404):
+                raise
 
     def _execute_one(self, job: JobView, action: Action) -> None:
         ns, name = job.namespace, job.name
@@ -280,7 +321,14 @@ class Kube:
                     GROUP, VERSION, ns, PLURAL, name, {"status": status}
                 )
             case CreateService(manifest=manifest):
-                _ignore(409, self.core.create_namespaced_service, ns, manifest)
+                services = f"/api/v1/namespaces/{quoted(ns)}/services"
+                try:
+                    self.cache.assume_service(
+                        self.raw.call("POST", services, body=manifest, timeout=(10, 30))
+                    )
+                except ApiException as e:
+                    if e.status != 409:
+                        raise
             case ApplyPodGroup(manifest=manifest, exists=exists):
                 if exists:
                     self.custom.patch_namespaced_custom_object(
@@ -294,12 +342,6 @@ class Kube:
                 else:
                     _ignore(409, self.custom.create_namespaced_custom_object,
                             PODGROUP_GROUP, PODGROUP_VERSION, ns, PODGROUP_PLURAL, manifest)  # fmt: skip
-            case CreatePod(manifest=manifest):
-                log.info("%s/%s: creating %s", ns, name, action.name)
-                _ignore(409, self.core.create_namespaced_pod, ns, manifest)
-            case DeletePod(name=pod, reason=reason, grace_seconds=grace):
-                log.info("%s/%s: deleting %s (grace %s): %s", ns, name, pod, grace, reason)
-                _ignore(404, self.core.delete_namespaced_pod, pod, ns, grace_period_seconds=grace)
             case DeleteJob(reason=reason):
                 log.info("%s/%s: deleting the job: %s", ns, name, reason)
                 _ignore(404, self.custom.delete_namespaced_custom_object, GROUP, VERSION, ns, PLURAL, name,
@@ -365,6 +407,46 @@ def describe_action(action: Action) -> str:
             return f"posting event {reason}"
         case _:
             return f"recording {type(action).__name__}"
+
+
+def request_kind(method: str, url: str) -> tuple[str, str]:
+    """The Kubernetes verb and resource of one request ("list", "pods"; "patch",
+    "distributedtrainingjobs/status"), from its method and URL."""
+    split = urlsplit(url)
+    query = split.query
+    parts = [p for p in split.path.split("/") if p]
+    # /api/v1/... or /apis/<group>/<version>/...; then namespaces/<ns>/ when namespaced.
+    rest = parts[2:] if parts[:1] == ["api"] else parts[3:]
+    if len(rest) >= 2 and rest[0] == "namespaces" and len(rest) != 2:
+        rest = rest[2:]
+    resource = rest[0] if rest else ""
+    named = len(rest) >= 2
+    if len(rest) >= 3:
+        resource = f"{resource}/{rest[2]}"
+    verb = {"POST": "create", "PUT": "update", "PATCH": "patch", "DELETE": "delete"}.get(method.upper())
+    if verb is None:
+        verb = "watch" if "watch=true" in query else "get" if named else "list"
+    return verb, resource
+
+
+def _count_requests(api: client.ApiClient, metrics: OperatorMetrics) -> None:
+    """Counts every request of `api` in metrics.api_requests."""
+    rest = api.rest_client
+    send = rest.request
+
+    def request(method: str, url: str, *args: Any, **kwargs: Any) -> Any:
+        verb, resource = request_kind(method, url)
+        metrics.api_requests.labels(verb=verb, resource=resource).inc()
+        return send(method, url, *args, **kwargs)
+
+    rest.request = request  # type: ignore[method-assign]  # the client has no hook for it
+
+
+def _names(names: list[str]) -> str:
+    """Pod names for one log line: "w-0", "w-0, w-1", or "w-0 .. w-9 (10 pods)" in the order given."""
+    if len(names) <= 2:
+        return ", ".join(names)
+    return f"{names[0]} .. {names[-1]} ({len(names)} pods)"
 
 
 def _controlled_by(pod: Mapping[str, Any], uid: str) -> bool:

@@ -53,10 +53,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
          "SIGTERM-to-SIGKILL grace of the survivors of a failure"),
         ("--metrics-grace-seconds", float, r.metrics_grace_seconds,
          "running time after which a rank 0 serving no metrics means a trainer that publishes none"),
-        ("--cluster-view-ttl-seconds", float, o.cluster_view_ttl_seconds,
-         "reuse one list of nodes and bound pods this long"),
+        ("--cache-sync-timeout-seconds", float, o.cache_sync_timeout_seconds,
+         "a pass waits this long for the caches of pods, nodes and Services to list once"),
+        ("--api-concurrency", int, o.api_concurrency, "pod creations and deletions in flight at once"),
         ("--metrics-timeout-seconds", float, o.metrics_timeout_seconds, "timeout of one scrape of rank 0"),
+        ("--scrape-workers", int, o.scrape_workers, "threads scraping rank 0 of every job"),
+        ("--scrape-interval-seconds", float, o.scrape_interval_seconds,
+         "scrape a job's rank 0 at most this often"),
+        ("--scrape-backoff-max-seconds", float, o.scrape_backoff_max_seconds,
+         "longest wait before asking a silent rank 0 again"),
         ("--log-tail-lines", int, o.log_tail_lines, "lines of a finished worker's log read"),
+        ("--log-reads-per-pass", int, o.log_reads_per_pass,
+         "logs of workers that exited 76 read per pass to name the lost rank"),
         ("--retry-backoff-seconds", float, retry.backoff_seconds,
          "first retry delay of a failing job; doubled per failure in a row"),
         ("--retry-backoff-max-seconds", float, retry.backoff_max_seconds, "longest retry delay"),
@@ -91,9 +99,14 @@ def build_settings(args: argparse.Namespace, env: Mapping[str, str]) -> Operator
             workers=from_env(env),
         ),
         observer=ObserverSettings(
-            cluster_view_ttl_seconds=args.cluster_view_ttl_seconds,
+            cache_sync_timeout_seconds=args.cache_sync_timeout_seconds,
+            api_concurrency=args.api_concurrency,
             metrics_timeout_seconds=args.metrics_timeout_seconds,
+            scrape_workers=args.scrape_workers,
+            scrape_interval_seconds=args.scrape_interval_seconds,
+            scrape_backoff_max_seconds=args.scrape_backoff_max_seconds,
             log_tail_lines=args.log_tail_lines,
+            log_reads_per_pass=args.log_reads_per_pass,
         ),
         retry=RetrySettings(
             backoff_seconds=args.retry_backoff_seconds, backoff_max_seconds=args.retry_backoff_max_seconds
@@ -133,7 +146,11 @@ def main(argv: list[str]) -> int:
     metrics = OperatorMetrics()
     if settings.metrics_port:
         start_http_server(settings.metrics_port, registry=metrics.registry)
-    runner = JobPassRunner(Kube(metrics, settings.observer), metrics, settings)
+    kube = Kube(metrics, settings.observer, settings.namespaces)
+    runner = JobPassRunner(kube, metrics, settings)
+    # Pod and node changes come from the operator's own watches (dtjob.operator.cache), rank 0's
+    # new steps from its scraper: both trigger passes from their threads without waiting on them.
+    kube.start(runner.trigger_soon)
     registry = build_registry(runner, settings)
     logging.getLogger("dtjob.operator").info(
         "serving %s, peering %s", "all namespaces" if clusterwide else ", ".join(settings.namespaces),

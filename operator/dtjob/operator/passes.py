@@ -2,7 +2,10 @@
 
 `JobPassRunner.trigger(namespace, name)` is what every kopf handler calls. Triggers of one job
 coalesce (`Coalescer`): never two passes of a job at once, and every trigger answered by a pass
-that starts after it.
+that starts after it. The operator's own watches and its scraper (which must not wait for a pass)
+call `trigger_soon`, which runs the pass on the runner's own threads, and only for jobs that kopf
+handed to this operator within the last two timer intervals: a replica that kopf's peering holds
+paused gets no job from kopf, so its watches act on none either.
 
 No error of a pass is only a log line. Any exception while observing, deciding or acting shows
 on the job as a Warning event (when the error is new) and the condition `Reconciled=False` with
@@ -20,6 +23,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -72,16 +76,44 @@ class JobPassRunner:
         self._passes: Coalescer[Key] = Coalescer(self._once)
         self._lock = threading.Lock()
         self._failing: dict[Key, _Failing] = {}
+        self._handed: dict[Key, float] = {}  # job -> when kopf last handed it over (monotonic)
+        self._queued: set[Key] = set()
+        self._soon = ThreadPoolExecutor(settings.max_workers, thread_name_prefix="pass")
+        # Two timer ticks and a second: kopf's timer hands every job over once per interval.
+        self._handed_for = 2 * settings.interval_seconds + 1.0
 
     def trigger(self, namespace: str, name: str) -> None:
         """Run a pass of this job now, or make the pass in flight go once more; while the job
         backs off after a failure, its scheduled retry answers the trigger."""
         self._passes.trigger((namespace, name))
 
+    def handed(self, namespace: str, name: str) -> None:
+        """kopf called a handler of this job: this operator is the one acting on it."""
+        with self._lock:
+            self._handed[(namespace, name)] = self._clock()
+
+    def trigger_soon(self, namespace: str, name: str) -> None:
+        """`trigger` on the runner's threads, returning at once; a job already waiting for one
+        of them is not queued twice. Ignored for a job kopf has not handed over lately."""
+        key = (namespace, name)
+        with self._lock:
+            handed = self._handed.get(key)
+            if handed is None or self._clock() - handed > self._handed_for or key in self._queued:
+                return
+            self._queued.add(key)
+        self._soon.submit(self._trigger_queued, key)
+
+    def _trigger_queued(self, key: Key) -> None:
+        with self._lock:
+            self._queued.discard(key)
+        self.trigger(*key)
+
     def forget(self, namespace: str, name: str) -> None:
         """The job is gone: drop its phase from the metrics and any pending retry."""
         self.metrics.job_phase(namespace, name, None)
+        self.kube.forget(namespace, name)
         with self._lock:
+            self._handed.pop((namespace, name), None)
             failing = self._failing.pop((namespace, name), None)
         if failing is not None and failing.timer is not None:
             failing.timer.cancel()

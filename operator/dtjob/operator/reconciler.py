@@ -79,6 +79,8 @@ FAILURE_REASONS = {
     "WorkerFailed", "WorkerDeleted", "NodeLost", "WorkerStopped", "PeerLost", "ProgressDeadlineExceeded"
 }  # fmt: skip
 WAITING = "Waiting"
+# Failures named one by one in a message; beyond them, the message counts the rest.
+LISTED = 3
 EXIT_PEER_LOST = contract.EXIT_PEER_LOST
 
 
@@ -794,17 +796,27 @@ def _stalled(p: _Pass, current: Sequence[Worker], size: int) -> Failure | None:
     return Failure(rank0, "ProgressDeadlineExceeded", message, True)
 
 
+def _some(items: Sequence[str], joiner: str = ", ") -> str:
+    """The first few items and how many more: a gang of 1,024 that fails at once is one line on
+    the job (its event and condition), not 1,024."""
+    if len(items) <= LISTED + 1:
+        return joiner.join(items)
+    return f"{joiner.join(items[:LISTED])}{joiner}and {len(items) - LISTED} more"
+
+
 def _describe(p: _Pass, failures: Sequence[Failure]) -> str:
     """One message for the failures of a pass; the survivors of a lost peer are summed up under
-    the rank they name."""
+    the rank they name, and beyond LISTED failures the rest are counted, not listed."""
     parts = [f.message for f in failures if f.reason != "PeerLost"]
+    if len(parts) > LISTED + 1:
+        parts = [_some(parts, "; ")]
     lost: dict[int | None, list[str]] = {}
     for f in failures:
         if f.reason == "PeerLost":
             lost.setdefault(f.lost_rank, []).append(f.worker.name)
     timeout = p.job.heartbeat_timeout_seconds
     for rank, names in lost.items():
-        who = f"{', '.join(names)} exited {EXIT_PEER_LOST}"
+        who = f"{_some(names)} exited {EXIT_PEER_LOST}"
         if rank is None:
             parts.append(f"{who}: a peer stopped answering (no rank named in the log)")
         else:

@@ -57,21 +57,44 @@ class ReconcilerSettings:
 
 @dataclass(frozen=True)
 class ObserverSettings:
-    """How the Kubernetes client observes a job's world."""
+    """How the Kubernetes client observes a job's world and acts on it."""
 
-    cluster_view_ttl_seconds: float = 2.0
-    """Nodes and the pods bound to them are listed once for every job reconciled within this
-    long: they change slowly next to a reconcile, and 50 jobs on a 5 s timer would otherwise list
-    every pod of the cluster 10 times a second."""
+    cache_sync_timeout_seconds: float = 30.0
+    """How long a pass waits for the operator's caches of pods, nodes and Services to list their
+    resource once (at start, or after a lost watch); past it the pass fails with ObserveFailed
+    and is retried with backoff."""
+
+    api_concurrency: int = 32
+    """Pod creations and deletions in flight at once, over all jobs: a 1,024-worker gang is
+    created in 32 waves instead of one request after the other, and the API server never sees
+    more than this many of the operator's writes at a time."""
 
     metrics_timeout_seconds: float = 1.0
-    """Timeout of one scrape of rank 0's metrics endpoint: a reconcile waits for it."""
+    """Timeout of one scrape of rank 0's metrics endpoint (scrapes run in the background; no
+    pass waits for one)."""
+
+    scrape_workers: int = 32
+    """Threads scraping rank 0 of every job, each scrape bounded by metrics_timeout_seconds."""
+
+    scrape_interval_seconds: float = 1.0
+    """A job's rank 0 is scraped at most this often (a pass in between reuses the last answer)."""
+
+    scrape_backoff_max_seconds: float = 8.0
+    """A rank 0 that does not answer is asked again after 1 s, doubling up to this."""
 
     log_tail_lines: int = 20
     """Lines of a finished worker's log read for its closing line or its reason to exit."""
 
+    log_reads_per_pass: int = 8
+    """Logs of workers that exited 76 (a lost peer) read per pass to name the lost rank: when a
+    whole 1,024-worker gang exits 76, a few name it as well as all of them."""
+
     def __post_init__(self) -> None:
-        _check_positive(self, "cluster_view_ttl_seconds", "metrics_timeout_seconds", "log_tail_lines")
+        _check_positive(
+            self, "cache_sync_timeout_seconds", "api_concurrency", "metrics_timeout_seconds",
+            "scrape_workers", "scrape_interval_seconds", "scrape_backoff_max_seconds",
+            "log_tail_lines", "log_reads_per_pass",
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -118,8 +141,8 @@ class OperatorSettings:
 
     interval_seconds: float = 5.0
     """Every job is reconciled at least this often even when nothing happens, to read the
-    trainer's step and notice deadlines, TTLs and lost nodes (node events are not watched: a node
-    turns NotReady only after its lease expires, tens of seconds, so 5 s more do not matter)."""
+    trainer's step and notice deadlines, TTLs and capacity coming back (pod changes and nodes
+    turning NotReady trigger a pass at once)."""
 
     max_workers: int = 16
     """Threads running passes: one pass per job at a time, this many jobs at once."""

@@ -1,0 +1,113 @@
+"""Rank 0's metrics, read in the background: a pass never waits for a scrape.
+
+A pass asks `Scraper.latest(job, target)` for what rank 0 (`target`: its pod's uid and address)
+last answered, which returns at once, and which schedules a fresh scrape when the last one is
+older than `scrape_interval_seconds` and none is in flight. Scrapes run on a pool of
+`scrape_workers` threads, each bounded by `metrics_timeout_seconds`; an answer that differs from
+the one before triggers a pass of the job, so a new step shows without waiting for the timer.
+
+A rank 0 that does not answer (a trainer still importing torch, one that publishes nothing, or a
+simulated pod whose address no host answers) is asked again after 1 s, then 2 s, up to
+`scrape_backoff_max_seconds`: 500 such jobs keep 32 threads busy with at most 32 connects a
+second, whatever the timer, and never a pass.
+
+Results belong to one target: a new generation's rank 0 (another pod uid) starts with nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from dtjob.operator.progress import TrainerProgress
+from dtjob.operator.settings import ObserverSettings
+
+log = logging.getLogger("dtjob.operator")
+JobKey = tuple[str, str]
+
+
+@dataclass(frozen=True)
+class Target:
+    uid: str
+    url: str
+
+
+@dataclass
+class _State:
+    target: Target
+    result: TrainerProgress | None = None
+    answered: bool = False
+    last_try: float = float("-inf")  # monotonic
+    failures: int = 0
+    in_flight: bool = False
+
+
+def _scrape(url: str, timeout: float) -> TrainerProgress:
+    from dtjob.operator.kube import parse_trainer_metrics
+
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return parse_trainer_metrics(response.read().decode())
+
+
+class Scraper:
+    def __init__(
+        self,
+        settings: ObserverSettings,
+        on_change: Callable[[str, str], None] | None = None,
+        fetch: Callable[[str, float], TrainerProgress] = _scrape,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.settings = settings
+        self.on_change = on_change
+        self._fetch = fetch
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._jobs: dict[JobKey, _State] = {}
+        self._pool = ThreadPoolExecutor(settings.scrape_workers, thread_name_prefix="scrape")
+
+    def latest(self, job: JobKey, target: Target) -> TrainerProgress | None:
+        """What `target` last answered (None: nothing yet, or it never answered); schedules a
+        scrape when one is due."""
+        with self._lock:
+            state = self._jobs.get(job)
+            if state is None or state.target != target:
+                state = self._jobs[job] = _State(target)
+            due = state.last_try + self._wait(state.failures)
+            if not state.in_flight and self._clock() >= due:
+                state.in_flight = True
+                state.last_try = self._clock()
+                self._pool.submit(self._run, job, state)
+            return state.result if state.answered else None
+
+    def _wait(self, failures: int) -> float:
+        if failures == 0:
+            return self.settings.scrape_interval_seconds
+        return float(min(self.settings.scrape_backoff_max_seconds, 2 ** (failures - 1)))
+
+    def forget(self, job: JobKey) -> None:
+        with self._lock:
+            self._jobs.pop(job, None)
+
+    def _run(self, job: JobKey, state: _State) -> None:
+        try:
+            result: TrainerProgress | None = self._fetch(
+                state.target.url, self.settings.metrics_timeout_seconds
+            )
+        except Exception as e:  # an unreachable or broken endpoint is an answer of "nothing"
+            log.debug("no metrics from %s: %s", state.target.url, e)
+            result = None
+        with self._lock:
+            state.in_flight = False
+            if result is None:
+                state.failures += 1
+                return
+            changed = not state.answered or state.result != result
+            state.failures, state.result, state.answered = 0, result, True
+            current = self._jobs.get(job) is state
+        if changed and current and self.on_change is not None:
+            self.on_change(*job)

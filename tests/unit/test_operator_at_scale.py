@@ -1,0 +1,133 @@
+"""What the operator does differently at scale, without a cluster: capacity counts only nodes the
+scheduler would use, a failing 1,024-worker gang is one short message, and the watches trigger
+passes only for jobs kopf handed to this operator (a paused peer acts on none)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from dtjob.operator.capacity import node_admits, workers_that_fit
+from dtjob.operator.metrics import OperatorMetrics
+from dtjob.operator.passes import JobPassRunner
+from dtjob.operator.settings import OperatorSettings
+from tests.unit.reconciler_fixtures import (
+    events,
+    make_job,
+    make_node,
+    make_pod,
+    run,
+    running_status,
+    status_patch,
+)
+
+TAINT = {"key": "gpu", "value": "a100", "effect": "NoSchedule"}
+
+
+def template(**spec: Any) -> dict[str, Any]:
+    return {"spec": {"containers": [{"name": "trainer", "resources": {"requests": {"cpu": "1"}}}], **spec}}
+
+
+def node(
+    name: str, labels: dict[str, str] | None = None, taints: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    n = make_node(name, cpu="4")
+    n["metadata"]["labels"] = labels or {}
+    n["spec"]["taints"] = taints or []
+    return n
+
+
+def test_capacity_counts_only_nodes_whose_taints_the_workers_tolerate() -> None:
+    tainted = node("gpu-1", taints=[TAINT])
+    soft = node("soft-1", taints=[{"key": "x", "effect": "PreferNoSchedule"}])
+    assert workers_that_fit("gpt", template(), [tainted, soft], []) == 4, (
+        "PreferNoSchedule does not keep pods off"
+    )
+    for toleration in (
+        {"key": "gpu", "operator": "Equal", "value": "a100", "effect": "NoSchedule"},
+        {"key": "gpu", "operator": "Exists"},
+        {"operator": "Exists"},
+    ):
+        assert node_admits(template(tolerations=[toleration]), tainted), toleration
+    for toleration in (
+        {"key": "gpu", "operator": "Equal", "value": "h100"},
+        {"key": "gpu", "operator": "Exists", "effect": "NoExecute"},
+        {"key": "other", "operator": "Exists"},
+    ):
+        assert not node_admits(template(tolerations=[toleration]), tainted), toleration
+
+
+def test_capacity_counts_only_nodes_the_selector_and_required_affinity_match() -> None:
+    a = node("a", labels={"pool": "train", "gen": "3"})
+    b = node("b", labels={"pool": "serve"})
+    assert workers_that_fit("gpt", template(nodeSelector={"pool": "train"}), [a, b], []) == 4
+
+    def required(*expressions: dict[str, Any], fields: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        term: dict[str, Any] = {"matchExpressions": list(expressions)}
+        if fields:
+            term["matchFields"] = fields
+        return {
+            "nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [term]}}
+        }
+
+    cases = [
+        (required({"key": "pool", "operator": "In", "values": ["train", "x"]}), ["a"]),
+        (required({"key": "pool", "operator": "NotIn", "values": ["train"]}), ["b"]),
+        (required({"key": "gen", "operator": "Exists"}), ["a"]),
+        (required({"key": "gen", "operator": "DoesNotExist"}), ["b"]),
+        (required({"key": "gen", "operator": "Gt", "values": ["2"]}), ["a"]),
+        (required(fields=[{"key": "metadata.name", "operator": "In", "values": ["b"]}]), ["b"]),
+    ]
+    for affinity, admitted in cases:
+        assert [
+            n["metadata"]["name"] for n in (a, b) if node_admits(template(affinity=affinity), n)
+        ] == admitted
+
+
+def test_a_whole_gang_failing_at_once_is_one_short_message() -> None:
+    size = 1024
+    job = make_job(replicas=size, min_replicas=size, max_replicas=size, status=running_status(size))
+    pods = [make_pod(r, phase="Failed", exit_code=1, node=f"n{r % 128}") for r in range(size)]
+    nodes = [make_node(f"n{i}", cpu="16") for i in range(128)]
+    actions = run(job, pods, nodes)
+    patch = status_patch(actions)
+    assert patch["phase"] == "Restarting" and patch["restarts"] == 1
+    [event] = [e for e in events(actions) if e.reason == "WorkerFailed"]
+    assert event.message.endswith("gpt-worker-2 failed (exit code 1); and 1021 more")
+    assert event.message.startswith("generation 1 with 1024 workers: gpt-worker-0 failed (exit code 1); ")
+    assert len(event.message) < 200
+
+
+class FakeKube:
+    def __init__(self) -> None:
+        self.passes: list[tuple[str, str]] = []
+        self.done = threading.Semaphore(0)
+
+    def get_job(self, namespace: str, name: str) -> None:
+        self.passes.append((namespace, name))
+        self.done.release()
+        return None  # gone: the runner forgets it
+
+    def forget(self, namespace: str, name: str) -> None:
+        pass
+
+
+def test_watches_trigger_passes_only_for_jobs_kopf_handed_over_lately() -> None:
+    now = [0.0]
+    kube = FakeKube()
+    settings = OperatorSettings(interval_seconds=5)
+    runner = JobPassRunner(kube, OperatorMetrics(), settings, clock=lambda: now[0])  # type: ignore[arg-type]
+    runner.trigger_soon("ns", "gpt")
+    assert not kube.done.acquire(timeout=0.5), "kopf never handed it over (a paused peer)"
+    runner.handed("ns", "gpt")
+    runner.trigger_soon("ns", "gpt")
+    assert kube.done.acquire(timeout=5) and kube.passes == [("ns", "gpt")]
+    runner.handed("ns", "gpt")  # the pass forgot the job (gone); kopf hands it over again
+    now[0] = 10.9  # within two timer intervals and a second
+    runner.trigger_soon("ns", "gpt")
+    assert kube.done.acquire(timeout=5)
+    runner.handed("ns", "gpt")
+    now[0] = 10.9 + 11.5  # kopf's timer stopped calling (paused by its peering)
+    runner.trigger_soon("ns", "gpt")
+    assert not kube.done.acquire(timeout=0.5)
+    assert len(kube.passes) == 2

@@ -1,0 +1,170 @@
+"""The operator's watch-based caches without a cluster: a list then watch events from a fake API,
+the operator's own writes put in ahead of the watch, and which jobs a change triggers."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from dtjob.operator.cache import ClusterCache, Informer, trim_pod
+from dtjob.operator.jobview import LABEL_JOB
+from dtjob.operator.kube import request_kind
+
+
+def pod(
+    name: str,
+    rv: int,
+    job: str | None = "gpt",
+    node: str | None = None,
+    phase: str = "Pending",
+    namespace: str = "ns",
+    deleting: bool = False,
+) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "name": name,
+        "namespace": namespace,
+        "uid": f"uid-{name}",
+        "resourceVersion": str(rv),
+        "labels": {LABEL_JOB: job} if job else {},
+        "managedFields": [{"manager": "x"}],
+    }
+    if deleting:
+        meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    container = {
+        "name": "trainer",
+        "env": [{"name": "RANK", "value": "0"}] * 20,
+        "resources": {"requests": {"cpu": "1"}},
+    }
+    spec: dict[str, Any] = {"containers": [container], "volumes": [{"name": "v"}]}
+    if node:
+        spec["nodeName"] = node
+    return {"metadata": meta, "spec": spec, "status": {"phase": phase}}
+
+
+def node(name: str, ready: bool, rv: int = 1) -> dict[str, Any]:
+    condition = {"type": "Ready", "status": "True" if ready else "False"}
+    return {"metadata": {"name": name, "resourceVersion": str(rv)}, "status": {"conditions": [condition]}}
+
+
+class FakeApi:
+    """Answers the informer's list with `listed` and its watch with `events`, then ends the watch
+    (the informer would go on with another)."""
+
+    def __init__(self, listed: list[dict[str, Any]], events: list[dict[str, Any]], rv: str = "100") -> None:
+        self.listed, self.events, self.rv = listed, events, rv
+        self.watched = threading.Event()
+        self.queries: list[dict[str, Any]] = []
+
+    def call(self, method: str, path: str, query: Any = None, **_: Any) -> dict[str, Any]:
+        return {"metadata": {"resourceVersion": self.rv}, "items": self.listed}
+
+    def watch(
+        self, path: str, query: dict[str, Any], timeout: Any = None
+    ) -> tuple[Any, Iterator[dict[str, Any]]]:
+        self.queries.append(query)
+
+        def events() -> Iterator[dict[str, Any]]:
+            yield from self.events
+            self.events = []
+            self.watched.set()
+            threading.Event().wait(3600)
+            yield from ()
+
+        class Response:
+            def close(self) -> None:
+                pass
+
+        return Response(), events()
+
+
+def test_an_informer_lists_then_follows_the_watch_and_trims_what_no_pass_reads() -> None:
+    events = [
+        {"type": "ADDED", "object": pod("gpt-worker-1", 101)},
+        {"type": "MODIFIED", "object": pod("gpt-worker-0", 102, node="n1", phase="Running")},
+        {"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": "103"}}},
+        {"type": "DELETED", "object": pod("other-0", 104, job="other")},
+    ]
+    api = FakeApi([pod("gpt-worker-0", 90), pod("other-0", 91, job="other")], events)
+    changes: list[tuple[Any, Any]] = []
+    informer = Informer(
+        api, "pods", "/api/v1/pods", trim=trim_pod, on_change=lambda a, b: changes.append((a, b))
+    )  # type: ignore[arg-type]
+    informer.start()
+    assert informer.synced.wait(10) and api.watched.wait(10)
+    names = sorted(p["metadata"]["name"] for p in informer.items())
+    assert names == ["gpt-worker-0", "gpt-worker-1"]
+    cached = informer.get(("ns", "gpt-worker-0"))
+    assert cached is not None and cached["status"]["phase"] == "Running"
+    assert "managedFields" not in cached["metadata"] and "volumes" not in cached["spec"]
+    assert cached["spec"]["containers"] == [{"name": "trainer", "resources": {"requests": {"cpu": "1"}}}]
+    assert api.queries[0]["resourceVersion"] == "100" and api.queries[0]["allowWatchBookmarks"] == "true"
+    assert len(changes) == 3, "the first list triggers nothing (kopf hands every job over at start)"
+    informer.stop()
+
+
+def test_the_operators_own_writes_are_never_undone_by_an_older_watch_event() -> None:
+    informer = Informer(FakeApi([], []), "pods", "/api/v1/pods", trim=trim_pod)  # type: ignore[arg-type]
+    informer._replace([], 10)
+    informer.assume(pod("gpt-worker-0", 20, deleting=True))  # the response of our delete
+    informer._apply("MODIFIED", pod("gpt-worker-0", 15, node="n1", phase="Running"))  # the watch lags
+    cached = informer.get(("ns", "gpt-worker-0"))
+    assert cached is not None and "deletionTimestamp" in cached["metadata"]
+    informer._apply("DELETED", pod("gpt-worker-0", 21))
+    assert informer.get(("ns", "gpt-worker-0")) is None
+    # A new pod of the same name created before the old one's DELETED event arrives stays.
+    informer.assume(pod("gpt-worker-1", 40))
+    informer._apply("DELETED", pod("gpt-worker-1", 30))
+    assert informer.get(("ns", "gpt-worker-1")) is not None
+    # A relist keeps what the cache holds newer than the list, and drops what the list lacks.
+    informer.assume(pod("gpt-worker-2", 60))
+    informer._replace([pod("gpt-worker-1", 35)], 50)
+    assert sorted(p["metadata"]["name"] for p in informer.items()) == ["gpt-worker-1", "gpt-worker-2"]
+    assert informer.get(("ns", "gpt-worker-1"))["metadata"]["resourceVersion"] == "40"  # type: ignore[index]
+    informer._replace([], 70)
+    assert informer.items() == []
+
+
+def test_pod_changes_trigger_their_job_and_a_lost_node_the_jobs_on_it() -> None:
+    cache = ClusterCache(None, ("ns",))  # type: ignore[arg-type]
+    fired: list[tuple[str, str]] = []
+    cache.trigger = lambda ns, name: fired.append((ns, name))
+    pods = Informer(None, "pods", "/api/v1/pods", trim=trim_pod,  # type: ignore[arg-type]
+                    indexes={"job": lambda p: _job(p), "node": lambda p: [p["spec"].get("nodeName")]},
+                    on_change=cache._pod_changed)  # fmt: skip
+    cache.pods = [pods]
+    pods._replace([pod("gpt-worker-0", 1, node="n1"), pod("bert-worker-0", 2, job="bert", node="n2")], 2)
+    pods._apply("MODIFIED", pod("gpt-worker-0", 3, node="n1", phase="Running"))
+    pods._apply("ADDED", pod("x-worker-0", 4, job="x", namespace="not-served"))
+    pods._apply("ADDED", pod("plain", 5, job=None))
+    assert fired == [("ns", "gpt")], "only served namespaces, only labelled pods"
+    fired.clear()
+    cache._node_changed(node("n2", True), node("n2", True, rv=2))  # a heartbeat
+    cache._node_changed(None, node("n3", False))
+    assert fired == []
+    cache._node_changed(node("n2", True), node("n2", False, rv=3))
+    assert fired == [("ns", "bert")]
+    cache._node_changed(node("n1", True), None)
+    assert fired == [("ns", "bert"), ("ns", "gpt")]
+    assert [p["metadata"]["name"] for p in cache.job_pods("ns", "gpt")] == ["gpt-worker-0"]
+    assert len(cache.bound_pods()) == 2
+
+
+def _job(p: dict[str, Any]) -> list[tuple[str, str]]:
+    job = p["metadata"]["labels"].get(LABEL_JOB)
+    return [(p["metadata"]["namespace"], job)] if job else []
+
+
+def test_requests_are_counted_by_kubernetes_verb_and_resource() -> None:
+    base = "https://127.0.0.1:6443"
+    assert request_kind("GET", f"{base}/api/v1/pods?watch=true&resourceVersion=5") == ("watch", "pods")
+    assert request_kind("GET", f"{base}/api/v1/nodes") == ("list", "nodes")
+    assert request_kind("POST", f"{base}/api/v1/namespaces/ns/pods") == ("create", "pods")
+    assert request_kind("DELETE", f"{base}/api/v1/namespaces/ns/pods/p-0?gracePeriodSeconds=0") == (
+        "delete", "pods",
+    )  # fmt: skip
+    assert request_kind("GET", f"{base}/api/v1/namespaces/ns/pods/p-0/log") == ("get", "pods/log")
+    job = f"{base}/apis/training.dtjob.io/v1alpha1/namespaces/ns/distributedtrainingjobs/j"
+    assert request_kind("GET", job) == ("get", "distributedtrainingjobs")
+    assert request_kind("PATCH", f"{job}/status") == ("patch", "distributedtrainingjobs/status")
+    assert request_kind("GET", f"{base}/api/v1/namespaces/ns") == ("get", "namespaces")

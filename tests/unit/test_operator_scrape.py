@@ -1,0 +1,88 @@
+"""Rank 0's metrics in the background: a pass gets the last answer at once, a silent rank 0 is
+asked less and less often, and a new step triggers a pass."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from dtjob.operator.progress import TrainerProgress
+from dtjob.operator.scrape import Scraper, Target
+from dtjob.operator.settings import ObserverSettings
+
+SETTINGS = ObserverSettings(scrape_interval_seconds=1.0, scrape_backoff_max_seconds=8.0)
+JOB = ("ns", "gpt")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def scraper(answers: list[Any]) -> tuple[Scraper, Clock, list[tuple[str, str]], list[str]]:
+    clock, fired, asked = Clock(), [], []
+    done = threading.Semaphore(0)
+
+    def fetch(url: str, timeout: float) -> TrainerProgress:
+        asked.append(url)
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer  # type: ignore[no-any-return]
+
+    s = Scraper(SETTINGS, lambda ns, name: fired.append((ns, name)), fetch, clock)
+    original = s._run
+
+    def run(job: Any, state: Any) -> None:
+        original(job, state)
+        done.release()
+
+    s._run = run  # type: ignore[method-assign]
+    s.done = done  # type: ignore[attr-defined]
+    return s, clock, fired, asked
+
+
+def test_a_pass_gets_the_last_answer_at_once_and_a_new_step_triggers_a_pass() -> None:
+    s, clock, fired, asked = scraper(
+        [TrainerProgress(step=5), TrainerProgress(step=5), TrainerProgress(step=6)]
+    )
+    target = Target("uid-0", "http://10.244.1.5:9400/metrics")
+    assert s.latest(JOB, target) is None, "nothing yet: the scrape runs in the background"
+    assert s.done.acquire(timeout=5)  # type: ignore[attr-defined]
+    assert s.latest(JOB, target) == TrainerProgress(step=5) and fired == [JOB]
+    assert len(asked) == 1, "not due again before scrape_interval_seconds"
+    clock.now = 1.0
+    s.latest(JOB, target)
+    assert s.done.acquire(timeout=5)  # type: ignore[attr-defined]
+    assert fired == [JOB], "the same answer triggers nothing"
+    clock.now = 2.0
+    s.latest(JOB, target)
+    assert s.done.acquire(timeout=5)  # type: ignore[attr-defined]
+    assert s.latest(JOB, target) == TrainerProgress(step=6) and fired == [JOB, JOB]
+
+
+def test_a_silent_rank_0_is_asked_after_1_2_4_8_8_seconds() -> None:
+    s, clock, _, asked = scraper([OSError("no route to host")] * 10)
+    target = Target("uid-0", "http://10.244.192.7:9400/metrics")
+    tries = []
+    for tick in range(0, 40):
+        clock.now = float(tick)
+        before = len(asked)
+        s.latest(JOB, target)
+        if len(asked) > before or s._jobs[JOB].in_flight:
+            assert s.done.acquire(timeout=5)  # type: ignore[attr-defined]
+            tries.append(tick)
+    assert tries == [0, 1, 3, 7, 15, 23, 31, 39]
+    assert s.latest(JOB, target) is None
+
+
+def test_a_new_rank_0_starts_with_nothing() -> None:
+    s, _clock, _, _ = scraper([TrainerProgress(step=9), OSError("refused")])
+    s.latest(JOB, Target("uid-0", "http://a/metrics"))
+    assert s.done.acquire(timeout=5)  # type: ignore[attr-defined]
+    assert s.latest(JOB, Target("uid-0", "http://a/metrics")) == TrainerProgress(step=9)
+    assert s.latest(JOB, Target("uid-1", "http://b/metrics")) is None, "the next generation's rank 0"
+    assert s.done.acquire(timeout=5)  # type: ignore[attr-defined]
