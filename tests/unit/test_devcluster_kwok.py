@@ -33,7 +33,8 @@ def test_simulated_pods_get_ips_inside_the_pod_network_away_from_every_nodelet()
 
 def test_kwok_command_manages_only_annotated_nodes_with_the_safe_cidr(tmp_path: Path) -> None:
     argv = kwok.command(Layout(tmp_path), tmp_path / "kwok.yaml")
-    assert argv[0].endswith(f"kwok-v{read_versions()['KWOK_VERSION']}/kwok")
+    v = read_versions()
+    assert argv[0].endswith(f"kwok-v{v['KWOK_VERSION']}-p{v['KWOK_PATCH']}/kwok")
     assert f"--cidr={kwok.FAKE_POD_CIDR}" in argv
     assert "--manage-all-nodes=false" in argv
     assert "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake" in argv

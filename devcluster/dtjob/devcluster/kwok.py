@@ -69,7 +69,9 @@ def version() -> str:
 
 
 def bin_dir() -> Path:
-    return cache_dir() / "bin" / f"kwok-v{version()}"
+    """Cached per version and per build-kwok.sh's patch of it (KWOK_PATCH)."""
+    patch = read_versions().get("KWOK_PATCH", "0")
+    return cache_dir() / "bin" / f"kwok-v{version()}-p{patch}"
 
 
 def binary() -> Path:
