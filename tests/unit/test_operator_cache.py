@@ -125,6 +125,23 @@ def test_the_operators_own_writes_are_never_undone_by_an_older_watch_event() -> 
     assert informer.items() == []
 
 
+def test_the_response_of_a_delete_after_its_deleted_event_does_not_bring_the_pod_back() -> None:
+    informer = Informer(FakeApi([], []), "pods", "/api/v1/pods", trim=trim_pod)  # type: ignore[arg-type]
+    informer._replace([pod("gpt-worker-0", 10, node="n1", phase="Running")], 10)
+    informer._apply("DELETED", pod("gpt-worker-0", 21))  # the watch is faster than the response
+    informer.assume(pod("gpt-worker-0", 21, deleting=True))  # our force delete's response
+    informer.assume(pod("gpt-worker-0", 20, deleting=True))  # or an older one
+    assert informer.get(("ns", "gpt-worker-0")) is None
+    # Gone from a relist (its DELETED missed): a response older than the list stays out too.
+    informer._replace([pod("gpt-worker-1", 30)], 30)
+    informer._replace([], 40)
+    informer.assume(pod("gpt-worker-1", 35, deleting=True))
+    assert informer.items() == []
+    # The next pod of that name, created after, is cached.
+    informer.assume(pod("gpt-worker-0", 50))
+    assert informer.get(("ns", "gpt-worker-0")) is not None
+
+
 def test_pod_changes_trigger_their_job_and_a_lost_node_the_jobs_on_it() -> None:
     cache = ClusterCache(None, ("ns",))  # type: ignore[arg-type]
     fired: list[tuple[str, str]] = []

@@ -15,7 +15,10 @@ create sees the pods it created, and the one after a delete sees them deleting, 
 for the watch. A watch event older than what the cache holds (by resourceVersion, which the
 API server takes from etcd's revision, an integer, as client-go's MutationCache compares them)
 is dropped: the cache never goes back in time, which keeps passes level-triggered on a view that
-only moves forward.
+only moves forward. That holds for deletions too: the cache remembers at which resourceVersion an
+object went away (`TOMBSTONES` of them), so the response of the operator's own delete that
+arrives after the watch's DELETED event does not bring the pod back (seen at 256 workers: a
+pass waited forever for an old worker that was long gone).
 
 Triggers: every change of a pod labelled with a job name triggers that job's pass; a node turning
 NotReady or going away triggers the jobs with pods on it. They run after the cache holds the
@@ -30,6 +33,7 @@ import logging
 import random
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from typing import Any
 
@@ -47,6 +51,8 @@ Obj = dict[str, Any]
 WATCH_SECONDS = 300
 # Retries of a failed list or watch: 1 s doubling to 30 s, as the operator's own backoff.
 RETRY_FIRST, RETRY_MAX = 1.0, 30.0
+# Deletions remembered per informer: far more than the pods one pass of a 1,024-worker gang deletes.
+TOMBSTONES = 16384
 
 
 class CacheNotReady(Exception):
@@ -131,6 +137,7 @@ class Informer:
         self._lock = threading.Lock()
         self._items: dict[Key, Obj] = {}
         self._index: dict[str, dict[Hashable, set[Key]]] = {name: {} for name in self.indexers}
+        self._gone: OrderedDict[Key, int] = OrderedDict()  # key -> resourceVersion it went away at
         self._thread: threading.Thread | None = None
         self._stopped = threading.Event()
         self._response: Any = None
@@ -160,9 +167,20 @@ class Informer:
         """Put a write's response in (the API server's object after the operator's own write)."""
         self._apply("ASSUMED", self.trim(obj))
 
+    def _bury(self, key: Key, rv: int | None) -> None:
+        """Remember that `key` was gone at `rv`. Lock held."""
+        if rv is None:
+            return
+        self._gone.pop(key, None)
+        self._gone[key] = rv
+        if len(self._gone) > TOMBSTONES:
+            self._gone.popitem(last=False)
+
     def _put(self, key: Key, obj: Obj | None) -> Obj | None:
         """Store (or with None remove) one object; returns the previous one. Lock held."""
         old = self._items.pop(key, None) if obj is None else self._items.get(key)
+        if obj is not None:
+            self._gone.pop(key, None)
         for name, indexer in self.indexers.items():
             index = self._index[name]
             if old is not None:
@@ -188,7 +206,12 @@ class Informer:
                 return  # older than what the cache holds (an own write it already has)
             if kind == "ASSUMED" and new_rv is None:
                 return  # cannot be ordered against the watch: the watch brings it
+            gone_at = self._gone.get(key)
+            if cached is None and gone_at is not None and new_rv is not None and new_rv <= gone_at:
+                return  # an object that already went away (our delete's response after its DELETED)
             old = self._put(key, None if kind == "DELETED" else obj)
+            if kind == "DELETED":
+                self._bury(key, new_rv)
         if self.on_change is not None and (old is not None or kind != "DELETED"):
             self.on_change(old, None if kind == "DELETED" else obj)
 
@@ -205,6 +228,7 @@ class Informer:
                 if list_rv is not None and cached_rv is not None and cached_rv > list_rv:
                     continue
                 changes.append((self._put(key, None), None))
+                self._bury(key, list_rv)
             for key, obj in listed.items():
                 cached = self._items.get(key)
                 cached_rv, rv = (None if cached is None else resource_version(cached)), resource_version(obj)
