@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 export DTJOB_CACHE ?= $(HOME)/.cache/dtjob
 PYTEST_ARGS ?=
 
-.PHONY: venv binaries test test-quick lint crds demo bench gpu-check devcluster-up devcluster-down clean
+.PHONY: venv binaries test test-quick lint crds demo bench bench-scale gpu-check devcluster-up devcluster-down clean
 
 venv: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
@@ -47,6 +47,11 @@ demo: venv binaries
 bench: venv
 	$(PY) bench/collectives.py
 	$(PY) bench/training.py
+
+# The operator on 128 KWOK nodes: 64-1,024 workers, 50-500 jobs, 3 repeats each (about 1.5 hours
+# here); a devcluster of simulated nodes only, brought up (KWOK built on first use) and down again.
+bench-scale: venv binaries
+	$(PY) bench/scale.py
 
 # On a machine with a GPU (not part of `make test`; CI has none): bench/gpu_check.py's table.
 gpu-check: venv
