@@ -123,7 +123,6 @@ def test_ddp_two_pods_of_two_processes_rescale_and_recover(op: Operator) -> None
     print(
         json.dumps({"measurement": "local process SIGKILL to pod failed", "seconds": round(failed_after, 2)})
     )
-    assert failed_after < 5.0
     wait_status(op, "ddp", "a counted restart", lambda s: (s.get("restarts") or 0) == 1, timeout=120)
     gate.write_text(str(STEPS))
     st = wait_phase(op, "ddp", "Succeeded", timeout=300)
