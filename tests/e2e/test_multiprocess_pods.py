@@ -112,9 +112,13 @@ def test_ddp_two_pods_of_two_processes_rescale_and_recover(op: Operator) -> None
     assert (wait_status(op, "ddp", "running", lambda s: True).get("restarts") or 0) == 0
 
     # Unplanned: one local process killed; the launcher stops its sibling and fails the pod.
+    uid = kubectl_json("get", "pod", "ddp-worker-0", "-n", op.namespace)["metadata"]["uid"]
     killed_at = sigkill_worker(op, "ddp", rank=1)
     while True:
-        pod = kubectl_json("get", "pod", "ddp-worker-0", "-n", op.namespace)
+        pods = kubectl_json("get", "pods", "-n", op.namespace)["items"]
+        pod = next((p for p in pods if p["metadata"]["uid"] == uid), None)
+        if pod is None:  # already failed, deleted and replaced by the next generation's pod
+            break
         if (pod.get("status") or {}).get("phase") == "Failed" or pod["metadata"].get("deletionTimestamp"):
             break
         assert time.time() - killed_at < 30, "the pod did not fail"
