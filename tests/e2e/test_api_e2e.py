@@ -134,7 +134,7 @@ def test_defaults_status_and_columns(namespace: str) -> None:
     header = kubectl("get", "-n", namespace, "dtj", name, check=True).stdout.splitlines()[0].split()
     assert header == ["NAME", "PHASE", "CURRENT", "DESIRED", "STEP", "RESTARTS", "AGE"]
     wide = kubectl("get", "-n", namespace, "dtj", name, "-o", "wide", check=True).stdout.splitlines()
-    assert wide[0].split() == [*header[:-1], "GENERATION", "MIN", "MAX", "AGE"]
+    assert wide[0].split() == [*header[:-1], "PROCESSES", "GENERATION", "MIN", "MAX", "AGE"]
     row = wide[1].split()  # status columns may be blank; MIN and MAX (spec) sit right before AGE
     assert row[0] == name and row[-3:-1] == ["1", "3"], wide
     everything = kubectl("get", "all", "-n", namespace, "-o", "name", check=True).stdout

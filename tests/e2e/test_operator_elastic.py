@@ -150,4 +150,6 @@ def test_node_loss_shrinks_not_below_min_and_grows_back_without_losing_a_step(op
     (_, _, _, last_small), (_, _, first_big, _) = gens[-2], gens[-1]
     assert first_big == last_small + 1, gens
     reasons = {e["reason"] for e in events(op, "nodes")}
-    assert "ScaleUp" in reasons and reasons & {"NodeLost", "WorkerFailed"}
+    # The survivors' heartbeats usually see the silent node first (PeerLost, exit 76), else the
+    # node's NotReady or the pod's failure does.
+    assert "ScaleUp" in reasons and reasons & {"NodeLost", "WorkerFailed", "PeerLost"}, reasons

@@ -152,3 +152,16 @@ def auto_considers_hier(rank: int, n: int, local: int) -> dict[str, Any]:
     ]
     del os.environ["DTJOB_COLLECTIVE_TRIALS"]
     return {**check.result(), "candidates": list(trials.candidates), "ran": ran, "winner": trials.winner}
+
+
+def strategy_comm(rank: int, n: int, local: int) -> dict[str, Any]:
+    """The wrappers' Comm("hier") (a job's --collective=hier): hier where the world spans pods
+    alike, auto where it does not (one pod of n: an elastic job shrunk to one pod) - never a raise."""
+    from dtjob.trainer.parallel.comm import Comm
+
+    os.environ[C.LOCAL_WORLD_SIZE_ENV] = str(local)
+    check = Checker()
+    x = torch.full((1000,), float(rank + 1))
+    Comm("hier").all_reduce_sum(x)
+    check.same("sum", x, torch.full((1000,), float(n * (n + 1) // 2)))
+    return {**check.result(), "ran": C.last_algorithm("allreduce")}

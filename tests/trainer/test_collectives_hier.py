@@ -40,3 +40,13 @@ def test_pod_layouts() -> None:
     assert "per pod" in str(pod_layout([0, 2, 4], 2))  # one member in each pod
     assert "one process per pod" in str(pod_layout(range(4), 1))
     assert PodLayout(((0, 1), (2, 3))).position(3) == (1, 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("world", "per_pod", "hier"), [(4, 2, True), (2, 2, False), (3, 2, False), (2, 1, False)]
+)
+def test_the_wrappers_hier_uses_auto_where_hier_does_not_apply(world: int, per_pod: int, hier: bool) -> None:
+    results = run_world(world, "hier:strategy_comm", per_pod)
+    assert all(r["failures"] == [] for r in results), results
+    assert all((r["ran"] == "hier") == hier for r in results), [r["ran"] for r in results]

@@ -21,8 +21,7 @@ from pathlib import Path
 
 DEFAULT_STATE_DIR = Path("/var/tmp/dtjob-devcluster")
 
-# Ports: etcd is moved off its defaults (2379/2380) so a developer's own etcd does not clash
-# (23790 is taken by other helpers' throw-away API servers on this machine).
+# Ports: etcd is moved off its defaults (2379/2380) so a developer's own etcd does not clash.
 ETCD_CLIENT_PORT = 23379
 ETCD_PEER_PORT = 23380
 APISERVER_PORT = 6443

@@ -7,7 +7,10 @@ config field (`ParallelConfig.collective`) swaps the whole data path:
 - "auto" / "ring" / "hd" / "direct" / "hier": `dtjob.trainer.collectives` with `algorithm=` that value,
   also asynchronous via async_op (they run a group's collectives in call order on one worker
   thread). Direct has no broadcast, and hier (the hierarchical all-reduce, for pods of several
-  processes) is an all-reduce only; the ops they lack use "auto".
+  processes) is an all-reduce only; the ops they lack use "auto". On a group hier does not apply
+  to (one pod, one process per pod, or unequal pods: what an elastic job becomes after a rescale)
+  its all-reduces use "auto" too, as DTJOB_COLLECTIVE_ALGO's allreduce:hier does: a job's
+  `--collective=hier` must survive every world size its elastic bounds allow.
 
 All sums are averaged by the strategies themselves (divide after SUM), so the result does not
 depend on which ops an algorithm supports.
@@ -60,11 +63,21 @@ class Comm:
             self._ops = collectives
             self._extra = {"algorithm": algorithm}
             self._auto = {"algorithm": "auto"}
+            if algorithm == "hier" and not self._pods_aligned():
+                self._extra = self._auto
 
     @property
     def _others(self) -> dict[str, str]:
         """The keyword for reduce-scatter and all-gather: hier is an all-reduce only."""
         return self._auto if self.algorithm == "hier" else self._extra
+
+    def _pods_aligned(self) -> bool:
+        """Whether hier applies to this group: its members in at least two pods, as many in each."""
+        from dtjob.trainer.collectives import hierarchical
+
+        ranks = [self.global_rank(r) for r in range(self.size)]
+        local = hierarchical.local_world_size(None)
+        return not isinstance(hierarchical.pod_layout(ranks, local), str)
 
     def global_rank(self, group_rank: int) -> int:
         """The default-group rank of this group's member `group_rank`."""
