@@ -27,9 +27,10 @@ test: venv binaries
 	$(PY) -m mypy
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-# The quick loop: no cluster.
+# The quick loop (about a minute): every test that needs neither the cluster nor several
+# processes training (markers e2e and slow); `make test` runs those too.
 test-quick: venv
-	$(PY) -m pytest -m "not e2e" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not e2e and not slow" $(PYTEST_ARGS)
 
 lint: venv
 	$(PY) -m ruff check .

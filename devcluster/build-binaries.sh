@@ -2,9 +2,20 @@
 # Builds the local cluster's binaries from the Go module proxy and caches them per version:
 #   $DTJOB_CACHE/bin/k8s-v<K>/{kube-apiserver,kube-controller-manager,kube-scheduler,kubectl}
 #   $DTJOB_CACHE/bin/etcd-v<E>/etcd      $DTJOB_CACHE/bin/helm-v<H>/helm
+# With --volcano also Volcano's scheduler and controller manager, from the source tarball in
+# ../shared/fixtures/volcano/ (its module is not on the proxy; every module it needs is), with
+# the tarball's CRDs and scheduler configuration beside them:
+#   $DTJOB_CACHE/bin/volcano-v<V>/{vc-scheduler,vc-controller-manager,crd/,config/}
 # A binary that is already cached is not rebuilt. Prints the bin directories on the last line.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
+volcano=false
+for arg in "$@"; do
+  case $arg in
+    --volcano) volcano=true ;;
+    *) echo "usage: $0 [--volcano]" >&2; exit 2 ;;
+  esac
+done
 # shellcheck source=/dev/null
 . "$here/versions.env"
 cache=${DTJOB_CACHE:-$HOME/.cache/dtjob}
@@ -14,7 +25,9 @@ command -v go >/dev/null || { echo "devcluster: the Go toolchain is missing; ins
 k8s_bin=$cache/bin/k8s-v$KUBERNETES_VERSION
 etcd_bin=$cache/bin/etcd-v$ETCD_VERSION
 helm_bin=$cache/bin/helm-v$HELM_VERSION
+volcano_bin=$cache/bin/volcano-v$VOLCANO_VERSION
 k8s_tools=(kube-apiserver kube-controller-manager kube-scheduler kubectl)
+volcano_tools=(vc-scheduler vc-controller-manager)
 
 missing() { local d=$1; shift; for b in "$@"; do [ -x "$d/$b" ] || return 0; done; return 1; }
 
@@ -89,11 +102,57 @@ build_helm() {
   mv "$helm_bin/helm.tmp" "$helm_bin/helm"
 }
 
-# One build at a time per cache: a second caller waits here, then finds the binaries cached.
+# The tarball: $DTJOB_VOLCANO_TARBALL, else shared/ beside the work tree, else beside the
+# repository this one was cloned from (`git clone . /tmp/x`, as CI does).
+volcano_tarball() {
+  local name=volcano-$VOLCANO_VERSION-src.tar.gz repo origin
+  if [ -n "${DTJOB_VOLCANO_TARBALL:-}" ]; then echo "$DTJOB_VOLCANO_TARBALL"; return; fi
+  repo=$(cd "$here/.." && pwd)
+  origin=$(git -C "$repo" remote get-url origin 2>/dev/null || true)
+  for root in "$repo/.." ${origin:+"$origin/.."}; do
+    if [ -f "$root/shared/fixtures/volcano/$name" ]; then echo "$root/shared/fixtures/volcano/$name"; return; fi
+  done
+  echo "devcluster: $name is missing: looked in shared/fixtures/volcano/ beside $repo${origin:+ and beside $origin}; set DTJOB_VOLCANO_TARBALL to its path" >&2
+  return 1
+}
+
+build_volcano() {
+  local tarball src=$cache/src/volcano-v$VOLCANO_VERSION v=v$VOLCANO_VERSION
+  tarball=$(volcano_tarball)
+  rm -rf "$src" && mkdir -p "$src" "$volcano_bin"
+  tar -xzf "$tarball" -C "$src" --strip-components=1
+  local ld="-s -w -X volcano.sh/volcano/pkg/version.Version=$v -X volcano.sh/volcano/pkg/version.GitSHA=release-$v"
+  ld="$ld -X volcano.sh/volcano/pkg/version.Built=1970-01-01T00:00:00Z"
+  local tool
+  for tool in "${volcano_tools[@]}"; do
+    [ -x "$volcano_bin/$tool" ] && continue
+    echo "devcluster: building $tool $v" >&2
+    (cd "$src" && go build -trimpath -ldflags "$ld" -o "$volcano_bin/$tool.tmp" "./cmd/${tool#vc-}")
+    mv "$volcano_bin/$tool.tmp" "$volcano_bin/$tool"
+  done
+  # What `up --volcano` installs and reads: the release's CRDs and scheduler configurations.
+  rm -rf "$volcano_bin/crd" "$volcano_bin/config"
+  cp -r "$src/installer/helm/chart/volcano/crd/bases" "$volcano_bin/crd"
+  cp -r "$src/installer/helm/chart/volcano/config" "$volcano_bin/config"
+}
+
+# One build at a time per cache and project: a second caller waits here, then finds the binaries
+# cached. Volcano has a lock of its own (other outputs; Go's caches are safe to share), so a
+# Volcano build never waits for a Kubernetes build it does not need.
 mkdir -p "$cache"
-exec 9>"$cache/build.lock"
-flock 9
-missing "$etcd_bin" etcd && build_etcd
-missing "$helm_bin" helm && build_helm
-missing "$k8s_bin" "${k8s_tools[@]}" && build_k8s
-echo "$k8s_bin:$etcd_bin:$helm_bin"
+if missing "$etcd_bin" etcd || missing "$helm_bin" helm || missing "$k8s_bin" "${k8s_tools[@]}"; then
+  exec 9>"$cache/build.lock"
+  flock 9
+  missing "$etcd_bin" etcd && build_etcd
+  missing "$helm_bin" helm && build_helm
+  missing "$k8s_bin" "${k8s_tools[@]}" && build_k8s
+  exec 9>&-
+fi
+dirs="$k8s_bin:$etcd_bin:$helm_bin"
+if $volcano; then
+  exec 8>"$cache/build-volcano.lock"
+  flock 8
+  if missing "$volcano_bin" "${volcano_tools[@]}" || [ ! -d "$volcano_bin/crd" ]; then build_volcano; fi
+  dirs="$dirs:$volcano_bin"
+fi
+echo "$dirs"

@@ -115,10 +115,14 @@ def job_manifest(
     cpu: str = "500m",
     command: list[str] | None = None,
     checkpoint_every: int = 5,
+    gate: int | None = None,
     **spec_extra: Any,
 ) -> dict[str, Any]:
     """A tiny GPT job (1 block, width 32): a step takes a fraction of a second on this machine.
-    Checkpoints and rank 0's step log go to SCRATCH/<namespace>/<name>/ on the host."""
+    Checkpoints and rank 0's step log go to SCRATCH/<namespace>/<name>/ on the host.
+
+    gate: the trainers run up to this step and wait there (the step gate, SCRATCH/<ns>/<name>/gate)
+    until `open_gate` lets them further, so a test acts at the step it chooses."""
     host = SCRATCH / op.namespace / name
     (host / "checkpoints").mkdir(parents=True, exist_ok=True)
     (host / "logs").mkdir(parents=True, exist_ok=True)
@@ -136,6 +140,9 @@ def job_manifest(
         "resources": {"requests": {"cpu": cpu, "memory": "256Mi"}},
         "volumeMounts": [{"name": "steplog", "mountPath": "/steplog"}],
     }
+    if gate is not None:
+        open_gate(op, name, gate)
+        container["env"] = [{"name": "DTJOB_STEP_GATE", "value": str(host / "gate")}]
     elastic: dict[str, Any] = {"maxRestarts": max_restarts, "unschedulableTimeoutSeconds": 20}
     if min_replicas is not None:
         elastic["minReplicas"] = min_replicas
@@ -162,6 +169,11 @@ def job_manifest(
         "metadata": {"name": name, "namespace": op.namespace},
         "spec": spec,
     }
+
+
+def open_gate(op: Operator, name: str, step: int) -> None:
+    """Let the job's trainers run up to `step` (they wait before each later one)."""
+    (SCRATCH / op.namespace / name / "gate").write_text(str(step))
 
 
 def apply(manifest: dict[str, Any]) -> None:

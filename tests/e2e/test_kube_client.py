@@ -22,9 +22,9 @@ from kubernetes import config
 from dtjob.operator.actions import CreatePod, CreateService, DeletePod, EmitEvent, PatchStatus
 from dtjob.operator.jobview import JobView
 from dtjob.operator.kube import ActionFailed, Kube
+from dtjob.operator.manifests import headless_service, worker_pod
 from dtjob.operator.metrics import OperatorMetrics
 from dtjob.operator.passes import JobPassRunner
-from dtjob.operator.pods import headless_service, worker_pod
 from dtjob.operator.settings import ObserverSettings, OperatorSettings, RetrySettings
 from dtjob.operator.worker_defaults import WorkerDefaults
 from tests.e2e.conftest import Devcluster, kubectl, kubectl_json, wait_for

@@ -18,6 +18,7 @@ from tests.e2e.operator_harness import (
     apply,
     events,
     job_manifest,
+    open_gate,
     operator_namespace,
     pods,
     step_log,
@@ -53,19 +54,20 @@ def record(measurement: dict[str, object]) -> None:
 
 
 def test_kubectl_scale_down_and_up_loses_and_repeats_no_step(op: Operator) -> None:
-    # 300 steps: on an idle machine the 2-worker generation ran the last of 90 steps before the
-    # scale-up reached it, leaving the 3-worker generation nothing to do.
-    steps = 300
-    apply(job_manifest(op, "scale", replicas=3, min_replicas=1, max_replicas=3, steps=steps))
-    wait_phase(op, "scale", "Running")
+    # The step gate holds each generation at the step the test acts on; a stop asked for at the
+    # gate runs one more step and checkpoints it.
+    steps = 40
+    apply(job_manifest(op, "scale", replicas=3, min_replicas=1, max_replicas=3, steps=steps, gate=10))
     wait_step(op, "scale", 10)
     kubectl("scale", "dtj/scale", "-n", op.namespace, "--replicas=2", check=True)
     wait_status(
         op, "scale", "2 workers running", lambda s: s.get("replicas") == 2 and s.get("phase") == "Running"
     )
-    at = max(r["step"] for r in step_log(op, "scale"))
-    wait_step(op, "scale", at + 8)
+    open_gate(op, "scale", 18)  # past a checkpoint (every 5): a grow-back waits for one
+    wait_step(op, "scale", 18)
     kubectl("scale", "dtj/scale", "-n", op.namespace, "--replicas=3", check=True)
+    wait_status(op, "scale", "3 workers running again", running_at(3, generation=2))
+    open_gate(op, "scale", steps)
     done = wait_phase(op, "scale", "Succeeded")
     assert done["restarts"] == 0 and done["generation"] == 2 and done["step"] == steps
     log = step_log(op, "scale")
@@ -80,9 +82,8 @@ def test_kubectl_scale_down_and_up_loses_and_repeats_no_step(op: Operator) -> No
 
 
 def test_suspend_then_resume_continues_from_the_step_reached(op: Operator) -> None:
-    steps = 50
-    apply(job_manifest(op, "pause", replicas=2, steps=steps))
-    wait_phase(op, "pause", "Running")
+    steps = 30
+    apply(job_manifest(op, "pause", replicas=2, steps=steps, gate=10))
     wait_step(op, "pause", 10)
     patch = '{"spec": {"runPolicy": {"suspend": true}}}'
     kubectl("patch", "dtj", "pause", "-n", op.namespace, "--type=merge", "-p", patch, check=True)
@@ -92,6 +93,7 @@ def test_suspend_then_resume_continues_from_the_step_reached(op: Operator) -> No
     checkpoint = SCRATCH / op.namespace / "pause" / "checkpoints" / f"step-{reached:08d}"
     assert checkpoint.exists(), f"suspending wrote a checkpoint at step {reached}"
     patch = '{"spec": {"runPolicy": {"suspend": false}}}'
+    open_gate(op, "pause", steps)
     kubectl("patch", "dtj", "pause", "-n", op.namespace, "--type=merge", "-p", patch, check=True)
     done = wait_phase(op, "pause", "Succeeded")
     assert done["restarts"] == 0 and done["generation"] == 1 and done["step"] == steps
@@ -100,8 +102,10 @@ def test_suspend_then_resume_continues_from_the_step_reached(op: Operator) -> No
     assert [g[2] for g in generations(log)] == [1, reached + 1]
 
 
-def running_at(size: int) -> Any:
-    return lambda s: s.get("replicas") == size and s.get("phase") == "Running" and s.get("generation", 0) >= 1
+def running_at(size: int, generation: int = 1) -> Any:
+    return lambda s: (
+        s.get("replicas") == size and s.get("phase") == "Running" and s.get("generation", 0) >= generation
+    )
 
 
 def _node_of(op: Operator, pod: str) -> str:
@@ -118,24 +122,25 @@ def _devcluster_node(action: str, name: str) -> None:
 
 
 def test_node_loss_shrinks_not_below_min_and_grows_back_without_losing_a_step(op: Operator) -> None:
-    # 3 cpus per worker on 4-cpu nodes: one worker per node, no spare capacity anywhere. 200 steps:
-    # with 60, the 2-worker generation (~4 steps/s) sometimes finished before the grow-back it is
-    # meant to be interrupted by, and the 3-worker generation then had no step left to run.
-    steps = 200
+    # 3 cpus per worker on 4-cpu nodes: one worker per node, no spare capacity anywhere. The step
+    # gate holds each generation where the test acts.
+    steps = 40
     manifest = job_manifest(op, "nodes", replicas=3, min_replicas=2, max_replicas=3, steps=steps, cpu="3",
-                            checkpoint_every=4)  # fmt: skip
+                            checkpoint_every=4, gate=8)  # fmt: skip
     apply(manifest)
-    wait_phase(op, "nodes", "Running")
     wait_step(op, "nodes", 8)
     lost = _node_of(op, "nodes-worker-1")
     _devcluster_node("stop", lost)
     try:
         wait_status(op, "nodes", "shrunk to 2 running workers", running_at(2), timeout=120)
-        small_steps = lambda: sum(r["world_size"] == 2 for r in step_log(op, "nodes"))  # noqa: E731
-        wait_for("3 steps of the 2-worker generation", lambda: small_steps() >= 3, timeout=90)
+        open_gate(op, "nodes", 14)  # past the checkpoint of step 12: a grow-back waits for one
+        wait_step(op, "nodes", 14, timeout=90)
     finally:
         _devcluster_node("start", lost)
-    grown = wait_status(op, "nodes", "grown back to 3 running workers", running_at(3), timeout=120)
+    grown = wait_status(
+        op, "nodes", "grown back to 3 running workers", running_at(3, generation=2), timeout=120
+    )
+    open_gate(op, "nodes", steps)
     done = wait_phase(op, "nodes", "Succeeded", timeout=150)
     assert done["step"] == steps and done["generation"] == grown["generation"]
     gens = generations(step_log(op, "nodes"))

@@ -16,6 +16,7 @@ from tests.e2e.operator_harness import (
     condition,
     events,
     job_manifest,
+    open_gate,
     operator_namespace,
     pods,
     sigkill_worker,
@@ -42,11 +43,11 @@ def record(measurement: dict[str, object]) -> None:
 
 
 def test_sigkilled_worker_resumes_from_the_last_checkpoint_at_the_same_size(op: Operator) -> None:
-    steps = 60
-    apply(job_manifest(op, "kill", replicas=3, steps=steps, checkpoint_every=5))
-    wait_phase(op, "kill", "Running")
+    steps = 30
+    apply(job_manifest(op, "kill", replicas=3, steps=steps, checkpoint_every=5, gate=12))
     wait_step(op, "kill", 12)
     killed_at = sigkill_worker(op, "kill", rank=1)
+    open_gate(op, "kill", steps)
 
     deadline = time.monotonic() + 150
     first_new_step_at = None
@@ -80,9 +81,8 @@ def test_sigkilled_worker_resumes_from_the_last_checkpoint_at_the_same_size(op: 
 
 
 def test_operator_killed_during_a_gang_restart_converges_without_duplicates(op: Operator) -> None:
-    steps = 60
-    apply(job_manifest(op, "crash", replicas=3, steps=steps, checkpoint_every=5))
-    wait_phase(op, "crash", "Running")
+    steps = 30
+    apply(job_manifest(op, "crash", replicas=3, steps=steps, checkpoint_every=5, gate=8))
     wait_step(op, "crash", 8)
     sigkill_worker(op, "crash", rank=2)
     wait_status(op, "crash", "a gang restart under way", lambda s: s.get("generation", 0) >= 1)
@@ -94,6 +94,7 @@ def test_operator_killed_during_a_gang_restart_converges_without_duplicates(op: 
         )
         time.sleep(0.5)
     op.start()
+    open_gate(op, "crash", steps)
     deadline = time.monotonic() + 150
     while time.monotonic() < deadline and status(op, "crash").get("phase") != "Succeeded":
         current = pods(op, "crash")

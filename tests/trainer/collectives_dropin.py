@@ -43,11 +43,11 @@ def _random_bytes(seed: int, rank: int, length: int, dtype: torch.dtype) -> torc
 
 
 def _as_if_coalescing() -> None:
-    """Comm takes gloo for a coalescing backend (NCCL's code path: batch_isend_irecv, receives
+    """Peers takes gloo for a coalescing backend (NCCL's code path: batch_isend_irecv, receives
     posted with their step's sends, dtypes NCCL has no type for sent as bytes)."""
-    from dtjob.trainer.collectives.comm import Comm
+    from dtjob.trainer.collectives.peers import Peers
 
-    Comm._needs_coalescing = lambda self, device: True  # type: ignore[method-assign]
+    Peers._needs_coalescing = lambda self, device: True  # type: ignore[method-assign]
 
 
 def dtypes_and_ops(rank: int, n: int, arg: Any) -> dict[str, Any]:

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from dtjob.trainer import collectives as C
-from dtjob.trainer.collectives.comm import Comm
+from dtjob.trainer.collectives.peers import Peers
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64]
 REDUCE_OPS = [dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.MAX, dist.ReduceOp.MIN]
@@ -196,17 +196,17 @@ def matrix(rank: int, n: int, arg: Any) -> dict[str, Any]:
     return check.result()
 
 
-def _as_if_coalescing(self: Comm, device: torch.device) -> bool:
+def _as_if_coalescing(self: Peers, device: torch.device) -> bool:
     return True
 
 
 def stream_ordered(rank: int, n: int, arg: Any) -> dict[str, Any]:
-    """The matrix in float32 and int64 on gloo, with Comm treating the backend as NCCL: every post
+    """The matrix in float32 and int64 on gloo, with Peers treating the backend as NCCL: every post
     goes through batch_isend_irecv and every receive is posted along with its step's sends
-    (Comm.can_prepost is False), the ring's two alternating scratch areas included. Only Comm.post's
+    (Peers.can_prepost is False), the ring's two alternating scratch areas included. Only Peers.post's
     branch for a batch that comes back as a single work (NCCL's) cannot run here: gloo returns one
     work per operation."""
-    Comm._needs_coalescing = _as_if_coalescing  # type: ignore[method-assign]
+    Peers._needs_coalescing = _as_if_coalescing  # type: ignore[method-assign]
     batches = 0
     batch_isend_irecv = dist.batch_isend_irecv
 

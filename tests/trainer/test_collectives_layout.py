@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from dtjob.trainer.collectives import halving_doubling, ring
-from dtjob.trainer.collectives.comm import balanced_bounds
+from dtjob.trainer.collectives.peers import balanced_bounds
 
 
 def _chunk_of(index: int, k: int) -> int:

@@ -7,8 +7,8 @@ import torch
 import torch.distributed as dist
 
 from dtjob.trainer.collectives import api
-from dtjob.trainer.collectives.comm import balanced_bounds
 from dtjob.trainer.collectives.halving_doubling import Fold
+from dtjob.trainer.collectives.peers import balanced_bounds
 from dtjob.trainer.collectives.reduce_ops import Reduction
 from dtjob.trainer.collectives.selection import ALGORITHMS, CostModel, choose, parse_override, predict
 

@@ -204,6 +204,31 @@ def test_sharded_module_between_steps_holds_only_shards_and_its_state_dict_works
         model.module.layers[0](torch.zeros(1, 4))
 
 
+def test_optimizers_that_read_whole_parameters_are_refused_on_pieces(one_process_group: None) -> None:
+    model = fully_shard(Tower(), zero_stage=2)
+    model(torch.randint(0, 10, (2, 3))).sum().backward()
+    for make in (torch.optim.Adafactor, torch.optim.LBFGS):
+        optimizer = make(model.parameters())
+        with pytest.raises(ValueError, match=f"{make.__name__} cannot train a model wrapped by fully_shard"):
+            optimizer.step(lambda: torch.zeros(()))
+    torch.optim.AdamW(model.parameters()).step()  # elementwise: fine
+    torch.optim.Adafactor(Tower().parameters()).step()  # an unwrapped model: none of our business
+
+
+def test_a_pipeline_stage_state_dict_is_its_own_tensors_under_the_original_names(
+    one_process_group: None,
+) -> None:
+    torch.manual_seed(0)
+    plain = Tower()
+    pipe = pipeline(Tower(), stages=1)
+    pipe.load_state_dict(plain.state_dict())  # a plain model's state dict: the stage takes its part
+    state = pipe.state_dict()
+    assert set(state) <= set(plain.state_dict()) and "layers.3.lin.weight" in state
+    assert all(torch.equal(v, plain.state_dict()[k]) for k, v in state.items())
+    with pytest.raises(KeyError, match="lacks"):
+        pipe.load_state_dict({})
+
+
 def test_comm_rejects_unknown_algorithm_and_wrappers_need_a_process_group() -> None:
     with pytest.raises(ValueError, match="collective must be one of"):
         Comm("tree")

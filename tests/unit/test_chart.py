@@ -128,6 +128,12 @@ def test_volcano_podgroups_are_granted_only_when_enabled() -> None:
     (rule,) = podgroup_rules("--set", "volcano.enabled=true")
     assert rule["apiGroups"] == ["scheduling.volcano.sh"]
     assert rule["verbs"] == ["get", "create", "patch"]
+    for values in ([], NAMESPACED):
+        docs = render(*values, "--set", "volcano.enabled=true")
+        queues = [
+            r for d in docs if d["kind"] == "ClusterRole" for r in d["rules"] if "queues" in r["resources"]
+        ]
+        assert queues == [{"apiGroups": ["scheduling.volcano.sh"], "resources": ["queues"], "verbs": ["get"]}]
 
 
 def test_deployment_is_one_hardened_recreated_replica() -> None:

@@ -9,7 +9,7 @@ import pytest
 
 from dtjob.operator import worker_defaults
 from dtjob.operator.jobview import JobView
-from dtjob.operator.pods import worker_pod
+from dtjob.operator.manifests import worker_pod
 from tests.unit.test_chart import notes_job_manifest, operator_container, render
 
 

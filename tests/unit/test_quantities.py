@@ -16,7 +16,7 @@ from pydantic import TypeAdapter
 
 from dtjob.operator.capacity import workers_that_fit
 from dtjob.operator.jobview import JobView
-from dtjob.operator.pods import podgroup, worker_pod
+from dtjob.operator.manifests import podgroup, worker_pod
 from dtjob.operator.quantity import format_quantity, parse_quantity, quantity_string, stringify_quantities
 from dtjob.operator.worker_defaults import WorkerDefaults
 from tests.unit.reconciler_fixtures import make_job, make_node

@@ -9,7 +9,7 @@ import pytest
 from dtjob.api import DistributedTrainingJobSpec, InvalidJobError
 from dtjob.operator.capacity import workers_that_fit
 from dtjob.operator.jobview import JobView
-from dtjob.operator.pods import headless_service, podgroup, worker_pod
+from dtjob.operator.manifests import headless_service, podgroup, worker_pod
 from dtjob.operator.quantity import format_quantity, parse_quantity
 from dtjob.operator.worker_defaults import WorkerDefaults
 from tests.unit.reconciler_fixtures import env_of, make_job, make_node, make_pod
@@ -170,3 +170,14 @@ def test_jobview_of_an_invalid_spec_names_the_fields_instead_of_raising_on_ident
     assert any(e.startswith("spec.replicas:") for e in view.spec_errors)
     with pytest.raises(InvalidJobError, match=r"spec\.replicas"):
         _ = view.master_port
+
+
+def test_integer_quantities_of_the_template_reach_the_pod_as_strings() -> None:
+    # `nvidia.com/gpu: 1` as YAML writes it: the Kubernetes client refuses a pod with an int there
+    job = make_job()
+    container = job["spec"]["template"]["spec"]["containers"][0]
+    container["resources"] = {"requests": {"cpu": 1, "nvidia.com/gpu": 1}, "limits": {"nvidia.com/gpu": 1}}
+    pod = worker_pod(JobView(job), 0, 4, 0, WorkerDefaults())
+    resources = pod["spec"]["containers"][0]["resources"]
+    assert resources == {"requests": {"cpu": "1", "nvidia.com/gpu": "1"}, "limits": {"nvidia.com/gpu": "1"}}
+    assert job["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": 1}

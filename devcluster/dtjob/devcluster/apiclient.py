@@ -44,6 +44,21 @@ class ApiClient:
         except urllib.error.HTTPError as e:
             return e.code
 
+    def apply(self, path: str, obj: dict[str, Any]) -> int:
+        """Server-side apply of obj at its own path (.../<name>), taking over fields other managers
+        set; returns the HTTP status (200 or 201 on success)."""
+        request = urllib.request.Request(
+            f"{self.base}{path}?fieldManager=dtjob-devcluster&force=true",
+            data=json.dumps(obj).encode(),
+            method="PATCH",
+            headers={"Content-Type": "application/apply-patch+yaml"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout, context=self.context) as r:
+                return int(r.status)
+        except urllib.error.HTTPError as e:
+            return e.code
+
     def ready(self) -> bool:
         status, body = self.get("/readyz")
         return status == 200 and body.strip() == "ok"

@@ -1,5 +1,6 @@
 """The cluster's upstream binaries: which versions (devcluster/versions.env), where they are cached
-($DTJOB_CACHE/bin/<project>-v<version>/), and building the missing ones with build-binaries.sh."""
+($DTJOB_CACHE/bin/<project>-v<version>/), and building the missing ones with build-binaries.sh.
+Volcano's (`up --volcano`) are built only when asked for (`build-binaries.sh --volcano`)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ DEVCLUSTER_SOURCE = Path(__file__).resolve().parents[2]
 VERSIONS_FILE = DEVCLUSTER_SOURCE / "versions.env"
 BUILD_SCRIPT = DEVCLUSTER_SOURCE / "build-binaries.sh"
 K8S_TOOLS = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl")
+VOLCANO_TOOLS = ("vc-scheduler", "vc-controller-manager")
 
 
 def read_versions(path: Path = VERSIONS_FILE) -> dict[str, str]:
@@ -42,12 +44,19 @@ class Binaries:
     etcd_version: str
     helm_version: str
     cache: Path
+    volcano_version: str = ""
 
     @classmethod
     def pinned(cls) -> Binaries:
         v = read_versions()
         try:
-            return cls(v["KUBERNETES_VERSION"], v["ETCD_VERSION"], v["HELM_VERSION"], cache_dir())
+            return cls(
+                v["KUBERNETES_VERSION"],
+                v["ETCD_VERSION"],
+                v["HELM_VERSION"],
+                cache_dir(),
+                v["VOLCANO_VERSION"],
+            )
         except KeyError as missing:
             raise DevclusterError(f"{VERSIONS_FILE} does not pin {missing.args[0]}") from None
 
@@ -63,6 +72,16 @@ class Binaries:
     def helm_dir(self) -> Path:
         return self.cache / "bin" / f"helm-v{self.helm_version}"
 
+    @property
+    def volcano_dir(self) -> Path:
+        """vc-scheduler, vc-controller-manager, and the release's crd/ and config/."""
+        return self.cache / "bin" / f"volcano-v{self.volcano_version}"
+
+    def volcano_path(self, tool: str) -> Path:
+        if tool not in VOLCANO_TOOLS:
+            raise ValueError(f"unknown Volcano binary {tool!r}")
+        return self.volcano_dir / tool
+
     def path(self, tool: str) -> Path:
         if tool == "etcd":
             return self.etcd_dir / "etcd"
@@ -75,34 +94,44 @@ class Binaries:
     def all_paths(self) -> list[Path]:
         return [self.path(t) for t in ("etcd", *K8S_TOOLS, "helm")]
 
-    def missing(self) -> list[Path]:
-        return [p for p in self.all_paths() if not os.access(p, os.X_OK)]
+    def missing(self, volcano: bool = False) -> list[Path]:
+        """Binaries not cached; with volcano, Volcano's too (and its CRD directory)."""
+        paths = self.all_paths()
+        if volcano:
+            paths += [self.volcano_path(t) for t in VOLCANO_TOOLS]
+        gone = [p for p in paths if not os.access(p, os.X_OK)]
+        if volcano and not (self.volcano_dir / "crd").is_dir():
+            gone.append(self.volcano_dir / "crd")
+        return gone
 
-    def check_buildable(self) -> None:
+    def check_buildable(self, volcano: bool = False) -> None:
         """Fail fast, before anything starts, when a binary is missing and cannot be built."""
-        if not self.missing():
+        missing = self.missing(volcano)
+        if not missing:
             return
         if shutil.which("go") is None:
             raise DevclusterError(
-                f"the Go toolchain is missing and {len(self.missing())} cluster binaries are not cached "
+                f"the Go toolchain is missing and {len(missing)} cluster binaries are not cached "
                 f"in {self.cache / 'bin'}; install Go >= 1.26 (on PATH as `go`) and run again"
             )
         if not BUILD_SCRIPT.is_file():
             raise DevclusterError(f"{BUILD_SCRIPT} is missing; run from a dtjob checkout to build binaries")
 
-    def build_missing(self, log: Path) -> bool:
-        """Runs build-binaries.sh when something is missing; returns whether a build ran."""
-        missing = self.missing()
+    def build_missing(self, log: Path, volcano: bool = False) -> bool:
+        """Runs build-binaries.sh (--volcano) when something is missing; returns whether a build ran."""
+        missing = self.missing(volcano)
         if not missing:
             return False
-        self.check_buildable()
+        self.check_buildable(volcano)
         log.parent.mkdir(parents=True, exist_ok=True)
         names = ", ".join(p.name for p in missing)
-        print(f"devcluster: building {names} from the Go module proxy (log: {log})", flush=True)
+        # A cold Volcano build takes about 10 minutes on 2 cores, Kubernetes' about 13.
+        print(f"devcluster: building {names} (minutes when cold; log: {log})", flush=True)
         env = {**os.environ, "DTJOB_CACHE": str(self.cache)}
+        argv = ["bash", str(BUILD_SCRIPT), *(["--volcano"] if volcano else [])]
         with log.open("ab") as out:
-            result = subprocess.run(["bash", str(BUILD_SCRIPT)], stdout=out, stderr=out, env=env, check=False)
-        if result.returncode != 0 or self.missing():
+            result = subprocess.run(argv, stdout=out, stderr=out, env=env, check=False)
+        if result.returncode != 0 or self.missing(volcano):
             last = _last_line(log)
             raise DevclusterError(f"building the cluster binaries failed ({last}); full log: {log}")
         return True

@@ -55,6 +55,13 @@ def parser() -> argparse.ArgumentParser:
         type=_quantity(MEMORY_QUANTITY, "8Gi"),
         help=f"default {defaults.memory_per_node}",
     )
+    up.add_argument(
+        "--volcano",
+        action="store_true",
+        default=None,
+        help="also run Volcano's scheduler and controller manager (built from ../shared/fixtures/volcano "
+        "on first use, ~10 min) with its CRDs and the default queue; adds them to a running cluster",
+    )
     sub.add_parser("down", help="stop everything and remove processes, network and mounts")
     sub.add_parser("status", help="show components and nodes; exit 1 unless all are healthy")
     sub.add_parser("env", help='print shell exports: eval "$(dtjob devcluster env)"')
@@ -74,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
                 "gpus_per_node": args.gpus_per_node,
                 "cpus_per_node": args.cpus_per_node,
                 "memory_per_node": args.memory_per_node,
+                "volcano": args.volcano,
             }
             return cluster.up(layout, requested)
         if args.command == "down":

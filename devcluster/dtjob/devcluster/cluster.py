@@ -6,6 +6,7 @@ import contextlib
 import fcntl
 import functools
 import json
+import os
 import shlex
 import shutil
 import socket
@@ -13,12 +14,12 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import yaml
 
-from dtjob.devcluster import controlplane, network, nodes, processes
+from dtjob.devcluster import controlplane, network, nodes, processes, volcano
 from dtjob.devcluster.apiclient import ApiClient
 from dtjob.devcluster.binaries import Binaries
 from dtjob.devcluster.errors import DevclusterError
@@ -38,6 +39,7 @@ class ClusterConfig:
     gpus_per_node: int = 2
     cpus_per_node: str = "4"
     memory_per_node: str = "8Gi"
+    volcano: bool = False
 
     @property
     def node_names(self) -> list[str]:
@@ -72,6 +74,11 @@ def marker(layout: Layout) -> str:
     return f"{layout.root}/"
 
 
+def components(config: ClusterConfig) -> tuple[str, ...]:
+    """The cluster's processes other than nodelets, in start order."""
+    return CONTROL_PLANE + (volcano.COMPONENTS if config.volcano else ())
+
+
 def component_pid(layout: Layout, component: str) -> int | None:
     return processes.read_pid(layout.pid_file(component), marker(layout))
 
@@ -94,9 +101,10 @@ def _port_in_use(port: int) -> bool:
 def check_ports(layout: Layout, config: ClusterConfig) -> None:
     """Before starting anything: every port a component that is not running yet needs is free."""
     wanted: list[tuple[int, str]] = []
-    for component in CONTROL_PLANE:
+    ports = {**controlplane.PORTS, **volcano.PORTS}
+    for component in components(config):
         if component_pid(layout, component) is None:
-            wanted += [(port, component) for port in controlplane.PORTS[component]]
+            wanted += [(port, component) for port in ports[component]]
     for i, name in enumerate(config.node_names, start=1):
         if nodes.pid(layout, name) is None:
             wanted.append((KUBELET_BASE_PORT + i, f"nodelet {name}"))
@@ -129,8 +137,11 @@ def up(layout: Layout, requested: dict[str, object], timeout: float = COMPONENT_
         saved = load_config(layout)
         running = is_up(layout)
         if running and saved is not None:
-            config = saved
-            changed = {k: v for k, v in requested.items() if v is not None and getattr(saved, k) != v}
+            # --volcano adds Volcano to a running cluster; without it, a running Volcano stays.
+            add_volcano = bool(requested.get("volcano"))
+            config = replace(saved, volcano=saved.volcano or add_volcano)
+            shape = {k: v for k, v in requested.items() if k != "volcano"}
+            changed = {k: v for k, v in shape.items() if v is not None and getattr(saved, k) != v}
             if changed:
                 raise DevclusterError(
                     f"a cluster is already up in {layout.root} with {asdict(saved)}; "
@@ -141,9 +152,9 @@ def up(layout: Layout, requested: dict[str, object], timeout: float = COMPONENT_
         if config.nodes < 0 or config.gpus_per_node < 0:
             raise DevclusterError("--nodes and --gpus-per-node must be >= 0 (--nodes 0: control plane only)")
 
-        binaries.check_buildable()
+        binaries.check_buildable(config.volcano)
         check_ports(layout, config)
-        binaries.build_missing(layout.log("build"))
+        binaries.build_missing(layout.log("build"), volcano=config.volcano)
         started: list[str] = []
         try:
             _start_missing(layout, binaries, config, running, started, timeout)
@@ -203,6 +214,32 @@ def _start_missing(
             started.append(name)
     _wait_nodes_ready(layout, since, NODES_TIMEOUT)
     _wait_default_service_account(layout, timeout)
+    if config.volcano:
+        _start_volcano(layout, binaries, started, timeout)
+
+
+def _start_volcano(layout: Layout, binaries: Binaries, started: list[str], timeout: float) -> None:
+    """Volcano's RBAC, CRDs and queues, then its controller manager and scheduler; returns once
+    the queue controller has opened the default queue (until then the scheduler refuses every
+    job in it)."""
+    volcano.ensure_pki(layout)
+    volcano.write_scheduler_conf(layout, binaries)
+    volcano.install(layout, binaries, timeout)
+    for component in volcano.COMPONENTS:
+        pid = component_pid(layout, component)
+        if pid is None:
+            argv = volcano.command(component, layout, binaries)
+            env = volcano.environment(layout, os.environ)
+            pid = processes.start(argv, layout.log(component), layout.pid_file(component), env)
+            started.append(component)
+        _wait(component, functools.partial(volcano.healthy, component), timeout, pid, layout.log(component))
+    _wait(
+        "the default Volcano queue to be Open",
+        lambda: volcano.queue_state(layout, "default") == "Open",
+        timeout,
+        component_pid(layout, "vc-controller-manager"),
+        layout.log("vc-controller-manager"),
+    )
 
 
 def _grant_nodelet_rbac(layout: Layout) -> None:
@@ -276,7 +313,7 @@ def down(layout: Layout) -> int:
                 nodes.stop(layout, name)
             except Exception as e:  # a broken node cleanup must not keep the rest running
                 print(f"devcluster: warning: cleaning up {name} failed: {e!r}; continuing", file=sys.stderr)
-        for component in reversed(CONTROL_PLANE):
+        for component in reversed(CONTROL_PLANE + volcano.COMPONENTS):
             pid = component_pid(layout, component)
             if pid is not None:
                 processes.stop(pid)
@@ -286,7 +323,7 @@ def down(layout: Layout) -> int:
         for pid in leftovers:
             processes.kill(pid)
         _unmount_under(layout.root)
-        for path in (layout.etcd_data, layout.nodes, layout.pids):
+        for path in (layout.etcd_data, layout.nodes, layout.pids, layout.volcano_dir):
             if path.exists():
                 shutil.rmtree(path)
         layout.cluster_file.unlink(missing_ok=True)
@@ -325,12 +362,19 @@ def status(layout: Layout) -> int:
     if not is_up(layout) or config is None:
         print(f"devcluster: no cluster is running in {layout.root}")
         return 1
-    print(f"devcluster: {layout.root} (kubernetes v{Binaries.pinned().kubernetes_version})")
+    binaries = Binaries.pinned()
+    versions = f"kubernetes v{binaries.kubernetes_version}"
+    if config.volcano:
+        versions += f", volcano v{binaries.volcano_version}"
+    print(f"devcluster: {layout.root} ({versions})")
     print(f"{'COMPONENT':<26}{'PID':>8}  {'ALIVE':<6} HEALTHY")
     ok = True
-    for component in CONTROL_PLANE:
+    for component in components(config):
         pid = component_pid(layout, component)
-        good = pid is not None and controlplane.healthy(component, layout)
+        if component in volcano.COMPONENTS:
+            good = pid is not None and volcano.healthy(component)
+        else:
+            good = pid is not None and controlplane.healthy(component, layout)
         ok &= good
         print(f"{component:<26}{pid or '-':>8}  {_yes(pid is not None):<6} {_yes(good)}")
     ready = ApiClient(layout).node_ready()

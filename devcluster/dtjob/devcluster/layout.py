@@ -10,6 +10,7 @@ The state directory lives outside the checkout ($DTJOB_DEVCLUSTER_DIR, default
     logs/<component>.log  stdout+stderr of every process
     pids/<component>.pid  control-plane pids
     nodes/<node>/         each nodelet's kubeconfig, certificates, pid and pod state
+    volcano/              vc-scheduler's configuration, cache dumps and log-level socket (`up --volcano`)
 """
 
 from __future__ import annotations
@@ -29,6 +30,13 @@ CONTROLLER_MANAGER_PORT = 10257
 SCHEDULER_PORT = 10259
 # Node i (1-based) serves the kubelet API on 10250 + i; all nodes share the bridge address.
 KUBELET_BASE_PORT = 10250
+# Volcano (`up --volcano`), loopback only: health checks on vc-scheduler's default healthz port
+# 11251 and the one after it, metrics beside them (their defaults, :8080 and :8081, are too
+# commonly taken).
+VOLCANO_SCHEDULER_HEALTHZ_PORT = 11251
+VOLCANO_CONTROLLER_MANAGER_HEALTHZ_PORT = 11252
+VOLCANO_SCHEDULER_METRICS_PORT = 11261
+VOLCANO_CONTROLLER_MANAGER_METRICS_PORT = 11262
 
 # Networking contract with the nodelet: one bridge; pods of node i get 10.244.i.0/24 and route
 # via the bridge address, which is also where pods reach the API server.
@@ -101,6 +109,10 @@ class Layout:
     @property
     def nodes(self) -> Path:
         return self.root / "nodes"
+
+    @property
+    def volcano_dir(self) -> Path:
+        return self.root / "volcano"
 
     @property
     def bridge_owner(self) -> Path:

@@ -133,13 +133,20 @@ test_helm_chart.py shows the operator failing without each rule.
 Cluster-scoped reads. Nodes: a worker whose node turns NotReady or disappears starts a new
 generation, and only the Node object says so (the pod keeps reporting Running until the node
 controller evicts it, minutes later); node capacity also decides how far a job shrinks. The
-operator lists nodes on each reconcile and never changes them. Nothing else cluster-scoped is
-granted: kopf runs on its startup discovery without CRD or namespace watches (the operator sets
-settings.scanning.disabled, handlers.py).
+operator lists nodes on each reconcile and never changes them. With volcano.enabled it also reads
+Volcano queues. Nothing else cluster-scoped is granted: kopf runs on its startup discovery without
+CRD or namespace watches (the operator sets settings.scanning.disabled, handlers.py).
 */}}
 {{- define "dtjob.clusterReadRules" -}}
 # Nodes, read-only: a NotReady or vanished node restarts the gangs with workers on it.
 - apiGroups: [""]
   resources: [nodes]
   verbs: [list]
+{{- if .Values.volcano.enabled }}
+# Volcano queues (cluster-scoped), read-only: a waiting gang's job says when its queue is full,
+# closed or missing, which the scheduler writes on no object.
+- apiGroups: [scheduling.volcano.sh]
+  resources: [queues]
+  verbs: [get]
+{{- end }}
 {{- end }}

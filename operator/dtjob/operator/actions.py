@@ -27,7 +27,8 @@ class CreateService:
 
 @dataclass(frozen=True)
 class ApplyPodGroup:
-    """Create the Volcano PodGroup, or replace its spec when the world size changed."""
+    """Create the Volcano PodGroup, or patch the spec fields the operator owns (gang.OWNED_FIELDS)
+    when they differ from the manifest (a new world size, a changed queue)."""
 
     manifest: dict[str, Any]
     exists: bool

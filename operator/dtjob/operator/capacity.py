@@ -14,7 +14,7 @@ from decimal import Decimal
 from typing import Any
 
 from dtjob.operator.jobview import LABEL_JOB
-from dtjob.operator.pods import pod_requests
+from dtjob.operator.manifests import pod_requests
 from dtjob.operator.quantity import parse_quantity
 
 # A fit count standing for "no resource limits the job on this node" never occurs: every pod

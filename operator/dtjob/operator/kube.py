@@ -19,6 +19,7 @@ from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
 from dtjob import contract
+from dtjob.operator import gang
 from dtjob.operator.actions import (
     Action,
     ApplyPodGroup,
@@ -33,8 +34,8 @@ from dtjob.operator.actions import (
     PatchStatus,
 )
 from dtjob.operator.jobview import API_VERSION, GROUP, KIND, LABEL_JOB, PLURAL, VERSION, JobView
+from dtjob.operator.manifests import PODGROUP_API_VERSION
 from dtjob.operator.metrics import OperatorMetrics
-from dtjob.operator.pods import PODGROUP_API_VERSION
 from dtjob.operator.progress import TrainerProgress
 from dtjob.operator.reconciler import Observed, Worker
 from dtjob.operator.settings import ObserverSettings
@@ -42,6 +43,9 @@ from dtjob.operator.settings import ObserverSettings
 log = logging.getLogger("dtjob.operator")
 PODGROUP_GROUP, PODGROUP_VERSION = PODGROUP_API_VERSION.split("/")
 PODGROUP_PLURAL = "podgroups"
+QUEUE_PLURAL = "queues"
+# The queue of a PodGroup that names none (vc-scheduler's --default-queue).
+DEFAULT_QUEUE = "default"
 TRAINER_GAUGES = {
     contract.METRIC_STEP: "step",
     contract.METRIC_LAST_CHECKPOINT_STEP: "checkpoint_step",
@@ -166,6 +170,7 @@ class Kube:
         # An invalid spec is reported by the reconciler; observing must not trip over it first.
         spec_ok = not view.spec_errors
         podgroup = self._get_podgroup(view) if spec_ok and view.uses_podgroup else None
+        queue, queue_missing = self._get_queue(view) if podgroup is not None else (None, False)
         return Observed(
             job=job,
             pods=pods,
@@ -176,6 +181,8 @@ class Kube:
             podgroup=podgroup,
             progress=self._scrape_rank0(view, pods) if spec_ok else None,
             worker_logs=self._peer_lost_logs(view, pods),
+            queue=queue,
+            queue_missing=queue_missing,
         )
 
     def _peer_lost_logs(self, job: JobView, pods: list[dict[str, Any]]) -> dict[str, str]:
@@ -205,6 +212,22 @@ class Kube:
         except ApiException as e:
             if e.status == 404:
                 return None
+            raise
+
+    def _get_queue(self, job: JobView) -> tuple[dict[str, Any] | None, bool]:
+        """The job's Volcano Queue (cluster-scoped) and whether it is missing. Optional: an install
+        without the right to read queues (403) just says less about a waiting gang."""
+        try:
+            queue = self.custom.get_cluster_custom_object(
+                PODGROUP_GROUP, PODGROUP_VERSION, QUEUE_PLURAL, job.queue or DEFAULT_QUEUE
+            )
+            return cast(dict[str, Any], queue), False
+        except ApiException as e:
+            if e.status == 404:
+                return None, True
+            if e.status == 403:
+                log.debug("%s/%s: may not read Volcano queues: %s", job.namespace, job.name, e.reason)
+                return None, False
             raise
 
     def _scrape_rank0(self, job: JobView, pods: list[dict[str, Any]]) -> TrainerProgress | None:
@@ -266,7 +289,7 @@ class Kube:
                         ns,
                         PODGROUP_PLURAL,
                         name,
-                        {"spec": manifest["spec"]},
+                        gang.spec_patch(manifest),
                     )
                 else:
                     _ignore(409, self.custom.create_namespaced_custom_object,

@@ -21,15 +21,19 @@ The rules, in the order they are checked:
    it; a failed, deleted or node-lost worker, survivors exiting 76 (a lost peer, named from their
    logs), or a step that did not advance for progressDeadlineSeconds start a new generation
    (restarts += 1, the job fails once restarts would exceed maxRestarts) sized to what fits now,
-   never below minReplicas; a worker that exited 75 on its own (stopped with a checkpoint)
-   restarts the gang uncounted.
-7. Pods unschedulable past the elastic scheduling timeout shrink the job to what fits (planned).
+   never below minReplicas; a worker that exited 75 on its own (stopped with a checkpoint) or that
+   the scheduler preempted restarts the gang uncounted, and its peers get their full grace period
+   to checkpoint.
+7. Pods unschedulable past the elastic scheduling timeout shrink the job to what fits (planned);
+   a Volcano gang whose members would fit waits instead (its queue or priority holds it).
 8. A healthy gang whose world size differs from the desired one rescales (planned): down at
    once on `kubectl scale`, up when the capacity is there, after the generation's first
    checkpoint when the trainer reports checkpoints (condition MetricsAvailable).
 
 Whenever a rule holds something back, the condition Waiting says what for (old workers to exit,
-workers to run, capacity, a checkpoint, rank 0's metrics, suspend to end, a valid spec).
+workers to run, capacity, a checkpoint, rank 0's metrics, suspend to end, a valid spec). A
+Volcano job's PodGroup follows the generation (minMember = its world size, see gang.py), and the
+scheduler's view of it is the job's GangScheduled condition.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from typing import Any
 
 from dtjob import contract
 from dtjob.api import validate_job
-from dtjob.operator import pods as manifests
+from dtjob.operator import gang, manifests
 from dtjob.operator.actions import (
     Action,
     ApplyPodGroup,
@@ -94,6 +98,8 @@ class Observed:
     # Log tails of the current generation's workers that exited EXIT_PEER_LOST, by pod name
     # (they name the lost rank).
     worker_logs: Mapping[str, str] = field(default_factory=dict)
+    queue: Mapping[str, Any] | None = None  # the PodGroup's Volcano Queue (None: not readable)
+    queue_missing: bool = False
 
 
 def to_rfc3339(moment: datetime) -> str:
@@ -142,6 +148,8 @@ class Worker:
     created: datetime | None
     reason: str | None
     message: str | None = None  # the trainer container's termination message
+    preempted: str | None = None  # the scheduler's message when it preempted the pod
+    scheduled: datetime | None = None  # when a scheduler bound it to its node
 
     @classmethod
     def of(cls, pod: Mapping[str, Any]) -> Worker:
@@ -165,11 +173,21 @@ class Worker:
             created=from_rfc3339(meta.get("creationTimestamp")),
             reason=status.get("reason"),
             message=message,
+            preempted=gang.preempted(pod),
+            scheduled=_condition_time(status, "PodScheduled"),
         )
 
     @property
     def terminal(self) -> bool:
         return self.phase in {"Succeeded", "Failed"}
+
+
+def _condition_time(status: Mapping[str, Any], ctype: str, value: str | None = "True") -> datetime | None:
+    """lastTransitionTime of an object's condition of type ctype (with that status, unless None)."""
+    for condition in status.get("conditions") or []:
+        if condition.get("type") == ctype and value in (None, condition.get("status")):
+            return from_rfc3339(condition.get("lastTransitionTime"))
+    return None
 
 
 def _int_or_none(value: Any) -> int | None:
@@ -182,7 +200,8 @@ def _int_or_none(value: Any) -> int | None:
 @dataclass(frozen=True)
 class Failure:
     worker: Worker
-    reason: str  # WorkerFailed, WorkerDeleted, NodeLost, WorkerStopped, PeerLost, ProgressDeadlineExceeded
+    # WorkerFailed, WorkerDeleted, NodeLost, WorkerStopped, Preempted, PeerLost, ProgressDeadlineExceeded
+    reason: str
     message: str
     counted: bool  # counts towards maxRestarts
     lost_rank: int | None = None  # PeerLost: the rank its log names
@@ -234,17 +253,21 @@ class _Pass:
         if previous != phase or phase == RESTARTING:
             self.event(reason, message, warning)
 
-    @property
-    def lost_nodes(self) -> set[str]:
-        """Names of nodes that are NotReady; a pod bound to a node missing from the observed list is
-        on a lost node too (see node_lost)."""
-        return {str((n.get("metadata") or {}).get("name")) for n in self.obs.nodes if not node_is_ready(n)}
-
     def node_lost(self, w: Worker) -> bool:
+        """Whether w is bound to a node that is gone or NotReady."""
         if not w.node_name:
             return False
-        known = {(n.get("metadata") or {}).get("name") for n in self.obs.nodes}
-        return w.node_name not in known or w.node_name in self.lost_nodes
+        node = next((n for n in self.obs.nodes if (n.get("metadata") or {}).get("name") == w.node_name), None)
+        if node is None:
+            return True
+        if node_is_ready(node):
+            return False
+        # Schedulers bind only to Ready nodes: a pod bound after the NotReady transition seen here
+        # proves the node Ready again since then, and this view of it older than the pod's (the
+        # node list is cached for a few seconds; a gang waiting for a node that comes back is
+        # bound to it within a second).
+        since = _condition_time(node.get("status") or {}, "Ready", value=None)
+        return not (w.scheduled is not None and since is not None and w.scheduled > since)
 
     def delete(self, w: Worker, reason: str, grace_seconds: int | None = None) -> None:
         """Delete gracefully (SIGTERM: the trainer checkpoints; grace_seconds None is the pod's
@@ -322,6 +345,7 @@ def reconcile(obs: Observed, settings: ReconcilerSettings) -> list[Action]:
     observed = (obs.job.get("metadata") or {}).get("generation")
     if observed is not None:
         p.status["observedGeneration"] = observed
+    _read_gang(p, [w for w in workers if w.generation == p.status.get("generation")])
     return _finish(p)
 
 
@@ -463,6 +487,9 @@ def _failures(p: _Pass, current: Sequence[Worker]) -> list[Failure]:
             found.append(Failure(w, "NodeLost", f"node {w.node_name} of {w.name} is gone", True))
         elif w.node_name and not w.terminal and p.node_lost(w):
             found.append(Failure(w, "NodeLost", f"node {w.node_name} of {w.name} is NotReady", True))
+        elif w.preempted is not None and (w.deleting or w.terminal):
+            # planned by the scheduler, whatever the exit code its SIGTERM ended in
+            found.append(Failure(w, "Preempted", f"{w.name} was preempted: {w.preempted}", False))
         elif w.phase == "Failed" and w.exit_code == EXIT_CHECKPOINTED:
             found.append(Failure(w, "WorkerStopped", f"{w.name} stopped after a checkpoint (exit 75)", False))
         elif w.phase == "Failed" and w.exit_code == EXIT_PEER_LOST:
@@ -512,11 +539,15 @@ def _decide(p: _Pass, current: Sequence[Worker], workers: Sequence[Worker]) -> b
             limit = f"restart {restarts + 1} would exceed maxRestarts={job.max_restarts}"
             _fail(p, workers, "MaxRestartsExceeded", f"{message}; {limit}")
             return True
-        # The cause, not its echo: survivors exit PeerLost because of another failure.
+        # The cause, not its echo: survivors exit PeerLost because of another failure; a preemption
+        # names an uncounted restart.
         causes = [f for f in failures if f.counted and f.reason != "PeerLost"] or failures
-        reason = next((f.reason for f in causes if f.counted), causes[0].reason)
+        preempted = next((f.reason for f in failures if f.reason == "Preempted"), causes[0].reason)
+        reason = next((f.reason for f in causes if f.counted), preempted)
         _new_generation(p, _target_size(p), reason, message, counted=counted)
-        _delete_all(p, workers, p.settings.unplanned_stop_grace_seconds)
+        # A planned stop (preemption, a worker's own exit 75): the others checkpoint first, with
+        # their full grace period; after a failure they cannot (a peer is gone).
+        _delete_all(p, workers, p.settings.unplanned_stop_grace_seconds if counted else None)
         return True
 
     if p.status.get("phase") == RESTARTING and any(
@@ -540,6 +571,11 @@ def _maybe_shrink(p: _Pass, unscheduled: Sequence[Worker], workers: Sequence[Wor
     if waiting_since is None or (p.now - waiting_since).total_seconds() < job.scheduling_timeout_seconds:
         return False
     fits = _capacity(p)
+    if job.uses_podgroup and fits >= size:
+        # Volcano places the gang whole or not at all, and the nodes have room for it: what
+        # holds it is its queue (capability, other jobs) or priority, not capacity, and a
+        # smaller gang would wait in the same queue.
+        return False
     scheduled = size - len(unscheduled)
     candidate = fits if fits < size else scheduled
     target = max(job.min_replicas, min(candidate, size - 1))
@@ -659,9 +695,10 @@ def _converge_pods(p: _Pass, workers: Sequence[Worker], current: Sequence[Worker
         return
 
     if job.uses_podgroup:
+        # Before the generation's pods: Volcano must see their minMember before it sees them.
         wanted = manifests.podgroup(job, size)
         have = p.obs.podgroup
-        if have is None or (have.get("spec") or {}).get("minMember") != size:
+        if have is None or gang.spec_differs(have, wanted):
             p.actions.append(ApplyPodGroup(wanted, exists=have is not None))
 
     present = {w.rank for w in current}
@@ -683,6 +720,23 @@ def _converge_pods(p: _Pass, workers: Sequence[Worker], current: Sequence[Worker
             if since is not None:
                 p.actions.append(ObserveRecovery((p.now - since).total_seconds()))
         p.set_phase(RUNNING, "Running", f"generation {generation}: all {size} workers running")
+
+
+def _read_gang(p: _Pass, current: Sequence[Worker]) -> None:
+    """Volcano's view of the gang (its PodGroup's phase, and while it waits the scheduler's
+    reason) as the job's GangScheduled condition; a Warning event each time the scheduler gives a
+    new reason, a Normal one when the gang is placed."""
+    group = p.obs.podgroup
+    if not p.job.uses_podgroup or group is None or p.status.get("phase") in FINISHED:
+        return  # a finished job keeps the view of its last run (Volcano calls it Completed next)
+    placing = any(w.node_name and not w.deleting for w in current)
+    seen = gang.view(group, p.obs.queue, p.obs.queue_missing, placing)
+    before = p.condition(gang.CONDITION) or {}
+    if seen.scheduled and before.get("status") != "True":
+        p.event("GangScheduled", seen.message)
+    elif seen.why is not None and before.get("message") != seen.message:
+        p.event("GangWaiting", seen.message, warning=True)
+    p.set_condition(gang.CONDITION, seen.scheduled, seen.phase, seen.message)
 
 
 def _read_metrics(p: _Pass) -> None:

@@ -2,7 +2,7 @@
 
 The helm chart turns its `workers.*` values into these environment variables of the operator's
 container; `dtjob operator` reads them once at start (`from_env(os.environ)`) into its settings
-(`ReconcilerSettings.workers`), and `pods.worker_pod` applies the defaults it is given. A job's own
+(`ReconcilerSettings.workers`), and `manifests.worker_pod` applies the defaults it is given. A job's own
 spec.template always wins: each default fills a field the template leaves unset (key by key inside
 the security contexts), and the operator's built-in defaults (no token, non-root, no privilege
 escalation, no capabilities) fill what is still unset.

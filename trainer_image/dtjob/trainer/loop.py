@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import time
 from typing import Any
 
 import torch
@@ -133,7 +132,7 @@ def _train(session: ElasticSession, c: TrainerConfig) -> None:
         scaler.update()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        seconds = time.perf_counter() - session._step_started
+        seconds = session.step_seconds
         tokens_per_s = c.global_batch_size * c.seq_len / seconds
         fields: dict[str, Any] = {"lr": lr, "tokens_per_s": round(tokens_per_s, 1)}
         if peak:

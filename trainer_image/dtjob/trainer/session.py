@@ -167,7 +167,6 @@ class ElasticSession:
         self.start_step = 0
         self.step = 0
         self._resumed = False
-        self._reported = False
         self._step_started = time.perf_counter()
         self.last_saved_step = -1
         self.last_saved_time = 0.0
@@ -188,6 +187,11 @@ class ElasticSession:
     @property
     def generation(self) -> int:
         return self.gang.generation
+
+    @property
+    def step_seconds(self) -> float:
+        """Seconds since the current step began."""
+        return time.perf_counter() - self._step_started
 
     def to_device(self, batch: Any) -> Any:
         """`batch` (a tensor, or dicts/lists/tuples of them) on the session's device: pinned host
@@ -300,7 +304,6 @@ class ElasticSession:
             if self._gate is not None:
                 self._wait_for_gate(step)
             self.step = step
-            self._reported = False
             self._step_started = time.perf_counter()
             yield step
             stopping = elastic.agree(self.stop.requested)
@@ -335,7 +338,7 @@ class ElasticSession:
             value = float(t.item()) / self.world_size  # the one host synchronisation of a step
         else:
             value = float(loss)
-        seconds = time.perf_counter() - self._step_started
+        seconds = self.step_seconds
         m = self.metrics
         m.step.set(self.step)
         m.loss.set(value)
@@ -363,7 +366,6 @@ class ElasticSession:
         if self.rank == 0:
             self._out.write(json.dumps(record) + "\n")
             self._out.flush()
-        self._reported = True
         return value
 
     # -- checkpoints -------------------------------------------------------------------------------

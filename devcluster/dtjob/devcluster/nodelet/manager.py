@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 from dtjob.devcluster.nodelet.config import NodeletConfig
 from dtjob.devcluster.nodelet.dns import DnsRecord
 from dtjob.devcluster.nodelet.kubeapi import ApiError, KubeApi, Obj, list_and_watch
-from dtjob.devcluster.nodelet.pods import DEFAULT_GRACE_S, PodWorker, patch_status
+from dtjob.devcluster.nodelet.pods import DEFAULT_GRACE_S, NodeContext, PodWorker, patch_status
 from dtjob.devcluster.nodelet.state import NodeState
 from dtjob.devcluster.nodelet.status import now
 
@@ -69,9 +69,8 @@ class PodManager:
         self.cfg = cfg
         self.state = state
         self.workers: dict[str, PodWorker] = {}
-        self.dns_records: list[DnsRecord] = []
         # Pods reach the API server at the node IP (the bridge address) on the API server's port.
-        self.api_address = (cfg.node_ip, str(urlsplit(api.server).port or 443))
+        self.node = NodeContext(api, cfg, state, (cfg.node_ip, str(urlsplit(api.server).port or 443)))
         self._listed_once = False
         self._tasks: set[asyncio.Task[Any]] = set()
         self._deleting: set[str] = set()
@@ -91,7 +90,7 @@ class PodManager:
         return max(found, key=lambda w: w.start_time) if found else None
 
     async def on_dns(self, records: list[DnsRecord]) -> None:
-        self.dns_records = records
+        self.node.dns_records = records
         for worker in list(self.workers.values()):
             try:
                 worker.update_hosts(records)
@@ -138,7 +137,7 @@ class PodManager:
             )
             self.spawn(patch_status(self.api, pod, lost_status(pod)))
             return
-        worker = PodWorker(self, pod)
+        worker = PodWorker(self.node, pod)
         self.workers[uid] = worker
         log.info("starting pod %s/%s", meta["namespace"], meta["name"])
         self.spawn(worker.run())

@@ -11,14 +11,16 @@ import os
 import signal
 import subprocess
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dtjob.devcluster.nodelet import sandbox
+from dtjob.devcluster.nodelet.config import NodeletConfig
 from dtjob.devcluster.nodelet.dns import RESOLV_CONF, DnsRecord, render_hosts
 from dtjob.devcluster.nodelet.env import SYSTEM_PATH, EnvError, command_line, container_env, referenced_names
 from dtjob.devcluster.nodelet.kubeapi import ApiError, KubeApi
-from dtjob.devcluster.nodelet.state import write_json
+from dtjob.devcluster.nodelet.state import NodeState, write_json
 from dtjob.devcluster.nodelet.status import Conditions, ContainerRun, exit_code, now
 from dtjob.devcluster.nodelet.volumes import (
     HostVolume,
@@ -27,9 +29,6 @@ from dtjob.devcluster.nodelet.volumes import (
     VolumeNotReady,
     mount_plan,
 )
-
-if TYPE_CHECKING:
-    from dtjob.devcluster.nodelet.manager import PodManager
 
 log = logging.getLogger(__name__)
 Obj = dict[str, Any]
@@ -77,9 +76,22 @@ async def patch_status(api: KubeApi, pod: Obj, status: Obj) -> None:
             log.warning("status of pod %s/%s: %s", meta["namespace"], meta["name"], e)
 
 
+@dataclass
+class NodeContext:
+    """What a pod worker needs of its node (PodManager keeps it current): the API client, the
+    nodelet's configuration and state, where pods reach the API server, and the cluster's DNS
+    records, which the manager replaces as Services and pods change."""
+
+    api: KubeApi
+    cfg: NodeletConfig
+    state: NodeState
+    api_address: tuple[str, str]
+    dns_records: list[DnsRecord] = field(default_factory=list)
+
+
 class PodWorker:
-    def __init__(self, manager: PodManager, pod: Obj) -> None:
-        self.m = manager
+    def __init__(self, node: NodeContext, pod: Obj) -> None:
+        self.node = node
         self.pod = pod
         meta, spec = pod["metadata"], pod["spec"]
         self.uid, self.ns, self.name = meta["uid"], meta["namespace"], meta["name"]
@@ -127,7 +139,7 @@ class PodWorker:
                 sandbox.teardown(self.box.netns, self.box.veth)
                 # The pod IP is free again (a finished pod keeps it in its status, as with the
                 # kubelet, but no endpoint lists a finished pod).
-                self.m.state.sandbox_file(self.uid).unlink(missing_ok=True)
+                self.node.state.sandbox_file(self.uid).unlink(missing_ok=True)
             with contextlib.suppress(Exception):
                 await self.report()
             self.done.set()
@@ -157,7 +169,7 @@ class PodWorker:
 
     async def _prepare(self) -> bool:
         """Volumes, env sources and the sandbox; False if the pod was deleted meanwhile."""
-        builder = VolumeBuilder(self.m.api, self.m.state, self.pod, self.m.cfg.ca_cert)
+        builder = VolumeBuilder(self.node.api, self.node.state, self.pod, self.node.cfg.ca_cert)
         while not self.terminating.is_set():
             try:
                 self.volumes = await builder.build()
@@ -173,14 +185,14 @@ class PodWorker:
         if self.terminating.is_set():
             return False
         await self._fetch_env_sources()
-        cfg = self.m.cfg
+        cfg = self.node.cfg
         self.box = sandbox.create(
-            self.m.state, self.uid, cfg.pod_cidr, cfg.bridge, cfg.node_ip, cfg.bridge_prefix_len
+            self.node.state, self.uid, cfg.pod_cidr, cfg.bridge, cfg.node_ip, cfg.bridge_prefix_len
         )
         self.pod.setdefault("status", {}).update(
             {"podIP": self.box.ip, "podIPs": [{"ip": self.box.ip}], "hostIP": cfg.node_ip}
         )
-        sandbox.write_etc(self.box.netns, self.hosts_text(self.m.dns_records), RESOLV_CONF)
+        sandbox.write_etc(self.box.netns, self.hosts_text(self.node.dns_records), RESOLV_CONF)
         self.conditions.set("PodReadyToStartContainers", True)
         await self.report()
         return True
@@ -189,11 +201,11 @@ class PodWorker:
         cms, secrets = referenced_names(self.pod)
         for name in cms:
             with contextlib.suppress(ApiError):
-                cm = await self.m.api.get(f"/api/v1/namespaces/{self.ns}/configmaps/{name}")
+                cm = await self.node.api.get(f"/api/v1/namespaces/{self.ns}/configmaps/{name}")
                 self.configmaps[name] = dict(cm.get("data") or {})
         for name in secrets:
             with contextlib.suppress(ApiError):
-                s = await self.m.api.get(f"/api/v1/namespaces/{self.ns}/secrets/{name}")
+                s = await self.node.api.get(f"/api/v1/namespaces/{self.ns}/secrets/{name}")
                 self.secrets[name] = {
                     k: base64.b64decode(v).decode() for k, v in (s.get("data") or {}).items()
                 }
@@ -224,9 +236,9 @@ class PodWorker:
     async def _run_once(self, spec: Obj, run: ContainerRun) -> int:
         if self.terminating.is_set() or self.box is None:
             return 1
-        st = self.m.state
+        st = self.node.state
         try:
-            env = container_env(self.pod, spec, self.configmaps, self.secrets, self.m.api_address)
+            env = container_env(self.pod, spec, self.configmaps, self.secrets, self.node.api_address)
             user = self._user(spec)
             if user["runAsUser"] not in (None, 0) and not any(
                 e.get("name") == "HOME" for e in spec.get("env") or []
@@ -330,8 +342,8 @@ class PodWorker:
     def status(self) -> Obj:
         st: Obj = {
             "phase": self.phase,
-            "hostIP": self.m.cfg.node_ip,
-            "hostIPs": [{"ip": self.m.cfg.node_ip}],
+            "hostIP": self.node.cfg.node_ip,
+            "hostIPs": [{"ip": self.node.cfg.node_ip}],
             "startTime": self.start_time,
             "conditions": self.conditions.as_list(),
             "containerStatuses": [r.status() for r in self.runs],
@@ -347,7 +359,7 @@ class PodWorker:
     async def report(self) -> None:
         """Sends the current status (a strategic merge patch: conditions of others are kept)."""
         async with self._report_lock:
-            await patch_status(self.m.api, self.pod, self.status())
+            await patch_status(self.node.api, self.pod, self.status())
 
     # ---- DNS and logs -----------------------------------------------------------------------
 
@@ -371,7 +383,7 @@ class PodWorker:
         if run is None:
             return None
         attempt = run.restart_count - 1 if previous else run.restart_count
-        return (self.m.state.log_file(self.uid, container, attempt), attempt) if attempt >= 0 else None
+        return (self.node.state.log_file(self.uid, container, attempt), attempt) if attempt >= 0 else None
 
     def still_writing(self, container: str, attempt: int) -> bool:
         """Whether run `attempt` of the container may still add to its log (for `logs -f`)."""

@@ -29,9 +29,9 @@ from dtjob.trainer.collectives import (
     tuning,
 )
 from dtjob.trainer.collectives.calibration import cost_model, same_everywhere
-from dtjob.trainer.collectives.comm import Comm
 from dtjob.trainer.collectives.errors import InvalidArgument, InvalidType
 from dtjob.trainer.collectives.hierarchical import PodLayout
+from dtjob.trainer.collectives.peers import Peers
 from dtjob.trainer.collectives.reduce_ops import RedOpType, ReduceOpLike, Reduction, check_op, op_kind
 from dtjob.trainer.collectives.selection import HIER, NATIVE
 from dtjob.trainer.collectives.work import CollectiveWork, GroupRunner, runner_for
@@ -188,9 +188,9 @@ def _refuse(call: _Call, algorithm: str) -> None:
         raise call.refusal
 
 
-def _comm(runner: GroupRunner, tag: int, device: torch.device) -> Comm:
+def _comm(runner: GroupRunner, tag: int, device: torch.device) -> Peers:
     stream_key = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    return Comm(
+    return Peers(
         runner.group,
         tag,
         scratch_pool=runner.scratch_pool,
@@ -308,7 +308,7 @@ def _execute(
     async_op: bool,
     result: list[torch.Tensor],
     touched: list[torch.Tensor],
-    run: Callable[[str, Comm], None],
+    run: Callable[[str, Peers], None],
     run_native: Callable[[bool], dist.Work | None],
 ) -> CollectiveWork | None:
     """Run the decided call: native at once in this thread, dtjob's algorithms on the runner."""
@@ -382,7 +382,7 @@ def all_reduce(
     call.local_world_size = local_world_size
     choice, trials = _decide(call, algorithm)
 
-    def run(algo: str, comm: Comm) -> None:
+    def run(algo: str, comm: Peers) -> None:
         assert reduction is not None
         flat, copied = _flat(tensor)
         buf = reduction.view(flat)
@@ -434,7 +434,7 @@ def reduce_scatter_tensor(
     call = _Call("reduce_scatter", name, runner, input.device, input.dtype, nbytes, kind, reduction, refusal)
     choice, trials = _decide(call, algorithm)
 
-    def run(algo: str, comm: Comm) -> None:
+    def run(algo: str, comm: Peers) -> None:
         assert reduction is not None
         src = reduction.view(input.reshape(-1))  # a view of a contiguous input, else a copy
         # The algorithms read src while they write out, so out must not share memory with it.
@@ -487,7 +487,7 @@ def all_gather_into_tensor(
     call = _Call("allgather", name, runner, device, dtype, nbytes, None, None, None)
     choice, trials = _decide(call, algorithm)
 
-    def run(algo: str, comm: Comm) -> None:
+    def run(algo: str, comm: Peers) -> None:
         flat, copied = _flat(output_tensor)
         buf = flat.view(torch.uint8)  # a copy moves bytes: any dtype
         width = nbytes // n
@@ -543,7 +543,7 @@ def broadcast(
     call = _Call("broadcast", name, runner, tensor.device, tensor.dtype, nbytes, None, None, None)
     choice, trials = _decide(call, algorithm)
 
-    def run(algo: str, comm: Comm) -> None:
+    def run(algo: str, comm: Peers) -> None:
         flat, copied = _flat(tensor)
         _BROADCAST[algo](comm, flat.view(torch.uint8), root)
         if copied:

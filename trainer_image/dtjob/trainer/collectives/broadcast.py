@@ -14,10 +14,10 @@ from __future__ import annotations
 import torch
 
 from dtjob.trainer.collectives import halving_doubling, ring
-from dtjob.trainer.collectives.comm import Comm, balanced_bounds, wait_all
+from dtjob.trainer.collectives.peers import Peers, balanced_bounds, wait_all
 
 
-def tree(comm: Comm, buf: torch.Tensor, root: int) -> None:
+def tree(comm: Peers, buf: torch.Tensor, root: int) -> None:
     n, r = comm.size, comm.rank
     relative = (r - root) % n
     mask = 1
@@ -35,7 +35,7 @@ def tree(comm: Comm, buf: torch.Tensor, root: int) -> None:
     wait_all(sends)
 
 
-def _scatter(comm: Comm, buf: torch.Tensor, root: int, bounds: list[int]) -> None:
+def _scatter(comm: Peers, buf: torch.Tensor, root: int, bounds: list[int]) -> None:
     if comm.rank == root:
         sends = []
         for peer in range(comm.size):
@@ -46,13 +46,13 @@ def _scatter(comm: Comm, buf: torch.Tensor, root: int, bounds: list[int]) -> Non
         wait_all(comm.post(recvs=[(buf[bounds[comm.rank] : bounds[comm.rank + 1]], root)])[1])
 
 
-def scatter_ring(comm: Comm, buf: torch.Tensor, root: int) -> None:
+def scatter_ring(comm: Peers, buf: torch.Tensor, root: int) -> None:
     bounds = balanced_bounds(buf.numel(), comm.size)
     _scatter(comm, buf, root, bounds)
     ring.all_gather(comm, buf, bounds)
 
 
-def scatter_doubling(comm: Comm, buf: torch.Tensor, root: int) -> None:
+def scatter_doubling(comm: Peers, buf: torch.Tensor, root: int) -> None:
     bounds = balanced_bounds(buf.numel(), comm.size)
     _scatter(comm, buf, root, bounds)
     halving_doubling.all_gather(comm, buf, bounds)

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from dtjob.trainer.collectives import ring
-from dtjob.trainer.collectives.comm import Comm, wait_all
+from dtjob.trainer.collectives.peers import Peers, wait_all
 from dtjob.trainer.collectives.reduce_ops import Reduction
 from dtjob.trainer.collectives.selection import DEFAULT_COSTS, CostModel
 from dtjob.trainer.collectives.work import GroupRunner
@@ -53,7 +53,7 @@ def _now(device: torch.device) -> float:
     return time.perf_counter()
 
 
-def _step_seconds(comm: Comm, device: torch.device) -> dict[tuple[int, bool], float]:
+def _step_seconds(comm: Peers, device: torch.device) -> dict[tuple[int, bool], float]:
     """Seconds per dependent step for each probe in _STEPS: (bytes, with every other rank at once).
 
     Each sample times a chain of steps back to back: a step that must wait for the previous one
@@ -94,7 +94,7 @@ def _reduce_seconds_per_byte(dtype: torch.dtype, device: torch.device) -> float:
     return best / _REDUCE_BYTES
 
 
-def measure(comm: Comm, device: torch.device) -> CostModel:
+def measure(comm: Peers, device: torch.device) -> CostModel:
     """Run the calibration collectively on `comm`'s group with tensors on `device`; identical
     result on every rank."""
     if comm.size == 1:
@@ -116,7 +116,7 @@ def measure(comm: Comm, device: torch.device) -> CostModel:
     )
 
 
-def same_everywhere(comm: Comm, value: int, device: torch.device) -> bool:
+def same_everywhere(comm: Peers, value: int, device: torch.device) -> bool:
     """Whether every rank of `comm` passed the same whole number (one small all-reduce)."""
     both = torch.tensor([value, -value], dtype=torch.int64, device=device)
     ring.all_reduce(comm, both, Reduction(dist.ReduceOp.MAX, torch.int64))
@@ -124,7 +124,7 @@ def same_everywhere(comm: Comm, value: int, device: torch.device) -> bool:
     return bool(high == -low)
 
 
-def cost_model(runner: GroupRunner, comm: Comm, device: torch.device) -> CostModel:
+def cost_model(runner: GroupRunner, comm: Peers, device: torch.device) -> CostModel:
     """The group's cached cost model for `device`'s type, measured on first use (collectively:
     every rank gets here at the same call)."""
     key = f"cost_model:{device.type}"

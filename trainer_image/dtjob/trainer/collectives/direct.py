@@ -24,17 +24,17 @@ from __future__ import annotations
 
 import torch
 
-from dtjob.trainer.collectives.comm import Comm, balanced_bounds, wait_all
+from dtjob.trainer.collectives.peers import Peers, balanced_bounds, wait_all
 from dtjob.trainer.collectives.reduce_ops import Reduction
 
 
-def _peers(comm: Comm) -> list[int]:
+def _peers(comm: Peers) -> list[int]:
     """Other ranks, nearest predecessor first: r-1, r-2, ..., r+1 (also the reduction order)."""
     return [(comm.rank - i) % comm.size for i in range(1, comm.size)]
 
 
 def _exchange_reduce(
-    comm: Comm,
+    comm: Peers,
     buf: torch.Tensor,
     bounds: list[int],
     reduction: Reduction,
@@ -74,7 +74,7 @@ def _exchange_reduce(
 
 
 def reduce_scatter(
-    comm: Comm, src: torch.Tensor, out: torch.Tensor, bounds: list[int], reduction: Reduction
+    comm: Peers, src: torch.Tensor, out: torch.Tensor, bounds: list[int], reduction: Reduction
 ) -> None:
     """Reduce the flat `src`, left as it is, into `out`: chunk `comm.rank` of the result."""
     if comm.size == 1:
@@ -84,17 +84,17 @@ def reduce_scatter(
     _exchange_reduce(comm, src, bounds, reduction, gather_recvs=[], out=out)
 
 
-def _gather_recvs(comm: Comm, buf: torch.Tensor, bounds: list[int]) -> list[tuple[torch.Tensor, int]]:
+def _gather_recvs(comm: Peers, buf: torch.Tensor, bounds: list[int]) -> list[tuple[torch.Tensor, int]]:
     return [(buf[bounds[p] : bounds[p + 1]], p) for p in _peers(comm)]
 
 
-def _gather_sends(comm: Comm, buf: torch.Tensor, bounds: list[int]) -> list[tuple[torch.Tensor, int]]:
+def _gather_sends(comm: Peers, buf: torch.Tensor, bounds: list[int]) -> list[tuple[torch.Tensor, int]]:
     r = comm.rank
     mine = buf[bounds[r] : bounds[r + 1]]
     return [(mine, p) for p in reversed(_peers(comm))]
 
 
-def all_gather(comm: Comm, buf: torch.Tensor, bounds: list[int]) -> None:
+def all_gather(comm: Peers, buf: torch.Tensor, bounds: list[int]) -> None:
     """In place on the flat `buf`: chunk `comm.rank` is valid before, every chunk after."""
     if comm.size == 1:
         return
@@ -103,7 +103,7 @@ def all_gather(comm: Comm, buf: torch.Tensor, bounds: list[int]) -> None:
     wait_all(sends)
 
 
-def all_reduce(comm: Comm, buf: torch.Tensor, reduction: Reduction) -> None:
+def all_reduce(comm: Peers, buf: torch.Tensor, reduction: Reduction) -> None:
     """Direct all-reduce of the flat `buf` in place: reduce-scatter, then all-gather."""
     bounds = balanced_bounds(buf.numel(), comm.size)
     # A peer's gather message can only arrive after it has reduced our contribution, i.e. after

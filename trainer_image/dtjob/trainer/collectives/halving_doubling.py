@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dtjob.trainer.collectives.comm import Comm, Works, balanced_bounds, segments_for, wait_all
+from dtjob.trainer.collectives.peers import Peers, Works, balanced_bounds, segments_for, wait_all
 from dtjob.trainer.collectives.reduce_ops import Reduction
 
 
@@ -139,12 +139,12 @@ def _plan(
     return halves, scratch, doubling(fold, vrank, vbounds, element_size, segment_bytes)
 
 
-def _plan_of(comm: Comm, buf: torch.Tensor, vbounds: list[int]) -> tuple[Phase, int, Phase]:
+def _plan_of(comm: Peers, buf: torch.Tensor, vbounds: list[int]) -> tuple[Phase, int, Phase]:
     return _plan(tuple(vbounds), comm.size, comm.rank, buf.element_size(), comm.segment_bytes)
 
 
 def _run(
-    comm: Comm,
+    comm: Peers,
     buf: torch.Tensor,
     phases: list[Phase],
     reduction: Reduction | None = None,
@@ -198,7 +198,7 @@ def _run(
     wait_all(sends)
 
 
-def _fold_in(comm: Comm, fold: Fold, buf: torch.Tensor, reduction: Reduction) -> int | None:
+def _fold_in(comm: Peers, fold: Fold, buf: torch.Tensor, reduction: Reduction) -> int | None:
     """Ranks 2i hand their whole vector to 2i+1 (i < e), which reduces it in. Returns the vrank."""
     r = comm.rank
     vrank = fold.virtual(r)
@@ -213,11 +213,11 @@ def _fold_in(comm: Comm, fold: Fold, buf: torch.Tensor, reduction: Reduction) ->
     return vrank
 
 
-def _segment_bounds(comm: Comm, buf: torch.Tensor) -> list[int]:
+def _segment_bounds(comm: Peers, buf: torch.Tensor) -> list[int]:
     return balanced_bounds(buf.numel(), comm.segments(buf.numel(), buf.element_size()))
 
 
-def _recv_reduce(comm: Comm, peer: int, buf: torch.Tensor, reduction: Reduction) -> None:
+def _recv_reduce(comm: Peers, peer: int, buf: torch.Tensor, reduction: Reduction) -> None:
     """Receive the partner's whole vector segment by segment (as _fold_in sends it), reducing as it comes."""
     scratch = comm.scratch(1, buf.numel(), buf)
     b = _segment_bounds(comm, buf)
@@ -227,7 +227,7 @@ def _recv_reduce(comm: Comm, peer: int, buf: torch.Tensor, reduction: Reduction)
         reduction.combine(buf[b[j] : b[j + 1]], scratch[b[j] : b[j + 1]])
 
 
-def _unfold(comm: Comm, fold: Fold, region: tuple[int, int] | None, buf: torch.Tensor) -> None:
+def _unfold(comm: Peers, fold: Fold, region: tuple[int, int] | None, buf: torch.Tensor) -> None:
     """Ranks 2i+1 hand the finished `region` of buf (everything if None) back to 2i (i < e)."""
     r = comm.rank
     if r >= 2 * fold.extra:
@@ -242,7 +242,7 @@ def _unfold(comm: Comm, fold: Fold, region: tuple[int, int] | None, buf: torch.T
 
 
 def reduce_scatter(
-    comm: Comm, src: torch.Tensor, out: torch.Tensor, bounds: list[int], reduction: Reduction
+    comm: Peers, src: torch.Tensor, out: torch.Tensor, bounds: list[int], reduction: Reduction
 ) -> None:
     """Reduce the flat `src`, left as it is, into `out`: chunk `comm.rank` of the result.
 
@@ -254,7 +254,7 @@ def reduce_scatter(
     out.copy_(work[bounds[comm.rank] : bounds[comm.rank + 1]])
 
 
-def _reduce_scatter_in_place(comm: Comm, buf: torch.Tensor, bounds: list[int], reduction: Reduction) -> None:
+def _reduce_scatter_in_place(comm: Peers, buf: torch.Tensor, bounds: list[int], reduction: Reduction) -> None:
     """In place on the flat `buf`: afterwards chunk `comm.rank` holds the finished reduction."""
     fold = Fold(comm.size)
     vrank = _fold_in(comm, fold, buf, reduction)
@@ -268,7 +268,7 @@ def _reduce_scatter_in_place(comm: Comm, buf: torch.Tensor, bounds: list[int], r
     _unfold(comm, fold, (bounds[mate], bounds[mate + 1]), buf)
 
 
-def all_gather(comm: Comm, buf: torch.Tensor, bounds: list[int]) -> None:
+def all_gather(comm: Peers, buf: torch.Tensor, bounds: list[int]) -> None:
     """In place on the flat `buf`: chunk `comm.rank` valid before, every chunk after."""
     fold = Fold(comm.size)
     r = comm.rank
@@ -285,7 +285,7 @@ def all_gather(comm: Comm, buf: torch.Tensor, bounds: list[int]) -> None:
     _unfold(comm, fold, None, buf)
 
 
-def all_reduce(comm: Comm, buf: torch.Tensor, reduction: Reduction) -> None:
+def all_reduce(comm: Peers, buf: torch.Tensor, reduction: Reduction) -> None:
     """Rabenseifner all-reduce of the flat `buf` in place."""
     fold = Fold(comm.size)
     vrank = _fold_in(comm, fold, buf, reduction)
@@ -298,7 +298,7 @@ def all_reduce(comm: Comm, buf: torch.Tensor, reduction: Reduction) -> None:
     _unfold(comm, fold, None, buf)
 
 
-def recursive_doubling_all_reduce(comm: Comm, buf: torch.Tensor, reduction: Reduction) -> None:
+def recursive_doubling_all_reduce(comm: Peers, buf: torch.Tensor, reduction: Reduction) -> None:
     """Latency-optimal all-reduce for small messages: log2(p) full-vector swaps.
 
     Both partners compute `lower OP upper` with the operands in that order, so every rank of a

@@ -9,7 +9,7 @@ rank) the links inside a pod (NVLink, shared memory) are much faster than those 
    each inter-pod link carries 2(P-1)/P of a k-th instead of the flat ring's share of the whole;
 3. all-gather inside the pod (ring).
 
-It is built from the ring's pieces over subsets of the group (Comm.subset), each phase with its
+It is built from the ring's pieces over subsets of the group (Peers.subset), each phase with its
 own tag; AVG divides once, by the whole group's size, on the finished k-th before the
 all-gather, so every rank ends with the same bits.
 
@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import torch
 
 from dtjob.trainer.collectives import ring
-from dtjob.trainer.collectives.comm import Comm, balanced_bounds
 from dtjob.trainer.collectives.errors import InvalidArgument
+from dtjob.trainer.collectives.peers import Peers, balanced_bounds
 from dtjob.trainer.collectives.reduce_ops import Reduction
 
 LOCAL_WORLD_SIZE_ENV = "LOCAL_WORLD_SIZE"
@@ -94,7 +94,7 @@ def pod_layout(global_ranks: Sequence[int], local_size: int) -> PodLayout | str:
     return PodLayout(tuple(tuple(pods[p]) for p in sorted(pods)))
 
 
-def all_reduce(comm: Comm, buf: torch.Tensor, reduction: Reduction, layout: PodLayout) -> None:
+def all_reduce(comm: Peers, buf: torch.Tensor, reduction: Reduction, layout: PodLayout) -> None:
     """Hierarchical all-reduce of the flat `buf` in place on `comm` (the whole group)."""
     p, j = layout.position(comm.group_rank(comm.rank))
     k = layout.shape[1]

@@ -9,7 +9,7 @@ forwards owned chunks around the ring unchanged, so every rank ends with the sam
 Each chunk is cut into the same number k of segments (balanced, possibly empty) so that segment j of
 step s is the very region sent as segment j of step s+1: as soon as segment j is reduced it is sent
 on while segment j+1 is still arriving. That is gloo's segmented ring: transfer and reduction overlap.
-On gloo every receive is posted up front (see Comm.can_prepost), each step into its own scratch area;
+On gloo every receive is posted up front (see Peers.can_prepost), each step into its own scratch area;
 the all-reduce posts its all-gather's receives before its reduce-scatter's first send.
 In the all-reduce the sum of a step lands in buf, not in the scratch area just received; the
 reduce-scatter sums into that area and forwards it from there, so that it can leave its input as
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from dtjob.trainer.collectives.comm import Comm, Works, balanced_bounds, segments_for, wait_all
+from dtjob.trainer.collectives.peers import Peers, Works, balanced_bounds, segments_for, wait_all
 from dtjob.trainer.collectives.reduce_ops import Reduction
 
 
@@ -82,16 +82,16 @@ def _layout(bounds: tuple[int, ...], rank: int, element_size: int, segment_bytes
     )
 
 
-def _layout_of(comm: Comm, buf: torch.Tensor, bounds: list[int]) -> _Layout:
+def _layout_of(comm: Peers, buf: torch.Tensor, bounds: list[int]) -> _Layout:
     return _layout(tuple(bounds), comm.rank, buf.element_size(), comm.segment_bytes)
 
 
 # Every receive of one phase: [step][segment] -> its work; None where the segment is empty (then
-# neither end sends it). Filled up front on gloo, step by step on NCCL (see Comm.can_prepost).
+# neither end sends it). Filled up front on gloo, step by step on NCCL (see Peers.can_prepost).
 Receives = list[list[dist.Work | None]]
 
 
-def _receives(comm: Comm, targets: Sequence[Sequence[torch.Tensor]], prepost: bool) -> Receives:
+def _receives(comm: Peers, targets: Sequence[Sequence[torch.Tensor]], prepost: bool) -> Receives:
     """Post every receive of a phase now (prepost), or make room to post them step by step."""
     if not prepost:
         return [[None] * len(step) for step in targets]
@@ -100,7 +100,7 @@ def _receives(comm: Comm, targets: Sequence[Sequence[torch.Tensor]], prepost: bo
 
 
 def _forward_in_stream(
-    comm: Comm,
+    comm: Peers,
     segment: torch.Tensor,
     into: torch.Tensor,
     sends: Works,
@@ -122,7 +122,7 @@ def _forward_in_stream(
 
 
 def _reduce(
-    comm: Comm,
+    comm: Peers,
     buf: torch.Tensor,
     segs: tuple[torch.Tensor, ...],
     lay: _Layout,
@@ -173,7 +173,7 @@ def _reduce(
 
 
 def reduce_scatter(
-    comm: Comm, src: torch.Tensor, out: torch.Tensor, bounds: list[int], reduction: Reduction
+    comm: Peers, src: torch.Tensor, out: torch.Tensor, bounds: list[int], reduction: Reduction
 ) -> None:
     """Reduce the flat `src`, left as it is, into `out`: chunk `comm.rank` of the result.
 
@@ -197,7 +197,7 @@ def reduce_scatter(
     reduction.finish(out, comm.size)
 
 
-def reduce_scatter_in_place(comm: Comm, buf: torch.Tensor, bounds: list[int], reduction: Reduction) -> None:
+def reduce_scatter_in_place(comm: Peers, buf: torch.Tensor, bounds: list[int], reduction: Reduction) -> None:
     """In place on the flat `buf`: afterwards chunk `comm.rank` holds the finished reduction and
     the other chunks hold partial sums (the hierarchical all-reduce gathers over them)."""
     if comm.size > 1:
@@ -215,7 +215,7 @@ def _gather_targets(segs: tuple[torch.Tensor, ...], lay: _Layout) -> list[list[t
 
 
 def _gather(
-    comm: Comm, segs: tuple[torch.Tensor, ...], lay: _Layout, posted: Receives | None, sends: Works
+    comm: Peers, segs: tuple[torch.Tensor, ...], lay: _Layout, posted: Receives | None, sends: Works
 ) -> None:
     """The all-gather's steps; `posted`: its receives if already up, `sends`: earlier sends to await."""
     prepost = posted is not None or comm.can_prepost(segs[0].device)
@@ -242,14 +242,14 @@ def _gather(
     wait_all(sends)
 
 
-def all_gather(comm: Comm, buf: torch.Tensor, bounds: list[int]) -> None:
+def all_gather(comm: Peers, buf: torch.Tensor, bounds: list[int]) -> None:
     """In place on the flat `buf`: chunk `comm.rank` is valid before, every chunk after."""
     if comm.size > 1:
         lay = _layout_of(comm, buf, bounds)
         _gather(comm, buf.split_with_sizes(lay.sizes), lay, None, [])
 
 
-def all_reduce(comm: Comm, buf: torch.Tensor, reduction: Reduction) -> None:
+def all_reduce(comm: Peers, buf: torch.Tensor, reduction: Reduction) -> None:
     """Ring all-reduce of the flat `buf` in place: reduce-scatter, then all-gather."""
     n, r = comm.size, comm.rank
     bounds = balanced_bounds(buf.numel(), n)

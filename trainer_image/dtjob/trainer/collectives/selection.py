@@ -29,7 +29,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from dtjob.trainer.collectives.comm import segments_for
+from dtjob.trainer.collectives.peers import segments_for
 
 ENV_VAR = "DTJOB_COLLECTIVE_ALGO"
 

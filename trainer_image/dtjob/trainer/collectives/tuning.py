@@ -32,7 +32,7 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from dtjob.trainer.collectives.comm import whole_number_from_env
+from dtjob.trainer.collectives.peers import whole_number_from_env
 from dtjob.trainer.collectives.selection import ALGORITHMS, HIER, NATIVE, CostModel, Pods, predict
 
 TRIALS_ENV_VAR = "DTJOB_COLLECTIVE_TRIALS"

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dtjob.trainer.parallel import clip, common
+from dtjob.trainer.parallel import clip, common, guard
 from dtjob.trainer.parallel.comm import Comm, Handle
 from dtjob.trainer.parallel.fsdp.flat import FlatUnit
 from dtjob.trainer.parallel.shards import LocalShard
@@ -78,6 +78,8 @@ class FullyShardedModule(common.Wrapper):
             for n, p in module.named_parameters(remove_duplicate=False)
             if id(p) in piece_of
         }
+        for piece in self._pieces.values():
+            guard.mark(piece.param, "fully_shard")
         self._frozen = {n: p for n, p in module.named_parameters() if not p.requires_grad}
         # What named_parameters() gives: the original names and order, shards for trainable ones.
         self._visible = [

@@ -31,7 +31,7 @@ on work that its neighbour's schedule has already issued, no order of arrival de
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from dtjob.trainer.parallel import clip, common
+from dtjob.trainer.parallel import clip, common, guard
 from dtjob.trainer.parallel.comm import Comm, control_group
 from dtjob.trainer.parallel.pp import wire
 from dtjob.trainer.parallel.pp.schedule import schedule_actions
@@ -188,6 +188,8 @@ class Pipeline(common.Wrapper):
             if self.stage in self.plan.owners[id(p)] and p.requires_grad
         ]
         self._device = self._owned[0][1].device if self._owned else torch.device("cpu")
+        for _, p in self._owned:
+            guard.mark(p, "pipeline")
         self._tie_comms = self._tie_groups(module)
         self._free_others(module)
         self._install_hooks(module)
@@ -303,6 +305,30 @@ class Pipeline(common.Wrapper):
         pre = prefix + "." if prefix else ""
         for name, p in self._owned:
             yield pre + name, p
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        """This stage's parameters and persistent buffers under their original names (the whole
+        model: full_state_dict)."""
+        out: dict[str, Any] = {name: p.detach() for name, p in self._owned}
+        for name, b in common.persistent_buffers(self.module).items():
+            if self.plan.buffer_owner.get(name) == self.stage:
+                out[name] = b.detach()
+        return out
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        """Take this stage's tensors from a state dict of the plain model (or of this stage);
+        strict: every one of them must be there."""
+        mine = self.state_dict()
+        missing = [k for k in mine if k not in state_dict]
+        if strict and missing:
+            raise KeyError(f"pipeline stage {self.stage}: the state dict lacks {missing[:5]}")
+        with torch.no_grad():
+            for key, tensor in mine.items():
+                if key in state_dict:
+                    tensor.copy_(state_dict[key])
+        return None
 
     @property
     def data_parallel_rank(self) -> int:

@@ -1,6 +1,6 @@
 """Point-to-point plumbing shared by every algorithm: who my neighbours are, how a buffer is cut.
 
-A `Comm` is one collective call's view of a process group, or of a subset of its members (the
+A `Peers` is one collective call's view of a process group, or of a subset of its members (the
 phases of the hierarchical all-reduce): `rank` and `size` count the members, and peers are
 given as member indices, translated to the group's ranks here.
 
@@ -112,7 +112,7 @@ def coalesces(group: dist.ProcessGroup, device: torch.device) -> bool:
     return bool(flag) if flag is not None else device.type == "cuda"
 
 
-class Comm:
+class Peers:
     """One collective call on a process group (or a subset of its members): rank, size, tag, posting.
 
     `global_ranks[i]` is the default-group rank of group rank i (what P2POp takes as its peer in
@@ -144,9 +144,9 @@ class Comm:
         self._coalescing: bool | None = None
         self._pool: ScratchPool = scratch_pool if scratch_pool is not None else {}
 
-    def subset(self, members: Sequence[int], phase: int) -> Comm:
-        """A Comm over `members` (indices into this Comm's members) with the call's `phase`-th tag."""
-        sub = Comm(
+    def subset(self, members: Sequence[int], phase: int) -> Peers:
+        """A Peers over `members` (indices into this Peers's members) with the call's `phase`-th tag."""
+        sub = Peers(
             self.group,
             self.tag + phase,
             self.segment_bytes,

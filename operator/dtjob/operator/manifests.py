@@ -153,6 +153,8 @@ def worker_pod(
         volumes = [v for v in spec.get("volumes") or [] if v.get("name") != volume["name"]]
         spec["volumes"] = [*volumes, volume]
 
+    for container in [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]:
+        _quantities_as_strings(container)
     for container in spec.get("containers") or []:
         security = container.setdefault("securityContext", {})
         security.setdefault("allowPrivilegeEscalation", False)
@@ -192,6 +194,17 @@ def worker_pod(
         },
         "spec": spec,
     }
+
+
+def _quantities_as_strings(container: dict[str, Any]) -> None:
+    """`nvidia.com/gpu: 1` is a valid quantity in a manifest (int-or-string) and the API server
+    keeps the integer, but the Kubernetes client's Pod model takes strings only and refuses the
+    whole pod. Written as a string it is the same quantity."""
+    resources = container.get("resources") or {}
+    for kind in ("requests", "limits"):
+        values = resources.get(kind)
+        if isinstance(values, dict):
+            resources[kind] = {k: v if isinstance(v, str) else str(v) for k, v in values.items()}
 
 
 def headless_service(job: JobView) -> dict[str, Any]:
