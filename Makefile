@@ -48,6 +48,15 @@ bench: venv
 	$(PY) bench/collectives.py
 	$(PY) bench/training.py
 
+# Not part of `make test`: dtjob and Kubeflow's PyTorchJob (training-operator, built from the Go
+# module proxy) on the devcluster, same trainer and faults (bench/peers/): one run of
+# BENCH_PEERS_REPEATS repeats of each, then the table merged over every run so far.
+BENCH_PEERS_REPEATS ?= 5
+.PHONY: bench-peers
+bench-peers: venv binaries
+	$(PY) -m bench.peers run --repeats $(BENCH_PEERS_REPEATS) --down
+	$(PY) -m bench.peers report
+
 # On a machine with a GPU (not part of `make test`; CI has none): bench/gpu_check.py's table.
 gpu-check: venv
 	$(PY) bench/gpu_check.py

@@ -1,0 +1,192 @@
+"""One repeat: one job carries every scenario in turn, each at a chosen step (the step gate holds
+the gang after that step, so every fault hits a gang in the same state on both sides).
+
+    submit                -> first step logged                         submit_to_first_step
+    after step 12: SIGKILL worker-1's trainer process                 sigkill
+    after step 27: SIGSTOP worker-1's trainer process (hung)          sigstop
+    after step 42: stop worker-1's node (nodelet killed, pods die)    node_stop
+    after step 57: scale to 1 (kubectl scale)                         scale_down
+    after step 67: scale to 2                                         scale_up
+    step 75: the job completes
+
+Each fault's figure is the time from the fault to the first step a new gang logs ("training
+again"), the steps logged twice (redone from the newest checkpoint, every 5 steps: faults come 2
+steps after one) and the steps never logged. Scale figures wait for a step at the new world size.
+Over the run: pods and Services created (a watch from before the submit), the operator's CPU
+seconds and peak RSS from the submit to the job's end.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from typing import Any
+
+from bench.peers.jobs import BenchJob, StepLog
+from bench.peers.kube import (
+    BenchError,
+    Created,
+    devcluster,
+    kubectl_json,
+    machine_load,
+    pod_pids,
+    signal_all,
+    trainer_pids,
+    wait_for,
+)
+from bench.peers.operators import HostOperator
+
+TOTAL_STEPS = 75
+FAULT_STEPS = {"sigkill": 12, "sigstop": 27, "node_stop": 42, "scale_down": 57, "scale_up": 67}
+SCENARIOS = tuple(FAULT_STEPS)
+RECOVERY_TIMEOUT_S = 300.0
+FAULTED_POD = 1  # worker-1: not the pod whose Service is torchrun's rendezvous endpoint
+
+
+def _step_records(log: StepLog, after: float) -> list[tuple[float, dict[str, Any]]]:
+    return log.since(after)
+
+
+def _wait_step(log: StepLog, step: int, timeout: float = RECOVERY_TIMEOUT_S) -> float:
+    """Waits for rank 0 to log `step`; returns when the bench saw it."""
+
+    def seen() -> float | None:
+        for at, r in log.snapshot():
+            if r["step"] == step:
+                return at
+        return None
+
+    return float(wait_for(f"step {step} logged", seen, timeout=timeout, interval=0.1))
+
+
+def _first_after(
+    log: StepLog, t0: float, world_size: int | None, timeout: float
+) -> tuple[float, dict[str, Any]]:
+    def seen() -> tuple[float, dict[str, Any]] | None:
+        for at, r in _step_records(log, t0):
+            if world_size is None or r.get("world_size") == world_size:
+                return at, r
+        return None
+
+    what = "a step after the fault" + (f" at world size {world_size}" if world_size else "")
+    found: tuple[float, dict[str, Any]] = wait_for(what, seen, timeout=timeout, interval=0.1)
+    return found
+
+
+def _steps_accounting(log: StepLog, fault_step: int, t0: float, first: dict[str, Any]) -> dict[str, int]:
+    """Repeated: steps the new gang logged again (fault_step - resume point); lost: steps after
+    fault_step the new gang skipped."""
+    resumed_at = int(first["step"])
+    return {"repeated": max(0, fault_step - resumed_at + 1), "lost": max(0, resumed_at - fault_step - 1)}
+
+
+def _full_gang(job: BenchJob, world: int) -> bool:
+    return len(job.running_pods()) >= world
+
+
+def run_repeat(
+    job: BenchJob, operator: HostOperator, scenarios: tuple[str, ...] = SCENARIOS
+) -> dict[str, Any]:
+    """Runs one job through the chosen scenarios; returns its measurements (a failed wait ends the
+    repeat early, recorded under "error", with what was measured until then)."""
+    out: dict[str, Any] = {"operator": job.kind, "job": job.name, "load_start": machine_load(), "faults": {}}
+    log = job.prepare()
+    steps = [FAULT_STEPS[s] for s in scenarios]
+    job.gate(steps[0] if steps else TOTAL_STEPS)
+    pods_seen, services_seen = Created(job.namespace, "pods"), Created(job.namespace, "services")
+    pods_seen.start()
+    services_seen.start()
+    assert operator.usage is not None
+    cpu0 = operator.usage.cpu_seconds()
+    operator.usage.start_sampling()
+    log.start()
+    stopped: list[int] = []
+    try:
+        t_submit = time.time()
+        job.submit()
+        first_at, _ = _first_after(log, t_submit, None, RECOVERY_TIMEOUT_S)
+        out["submit_to_first_step_s"] = round(first_at - t_submit, 2)
+        for i, scenario in enumerate(scenarios):
+            fault_step = FAULT_STEPS[scenario]
+            next_gate = steps[i + 1] if i + 1 < len(steps) else TOTAL_STEPS
+            out["faults"][scenario] = result = _run_fault(job, log, scenario, fault_step, next_gate, stopped)
+            print(f"    {job.kind} {scenario}: {result}", flush=True)
+        job.gate(TOTAL_STEPS)
+        out["outcome"] = wait_for("the job's end", job.outcome, timeout=RECOVERY_TIMEOUT_S, interval=1.0)
+    except BenchError as e:
+        out["error"] = str(e)
+        print(f"    {job.kind}: {e}", flush=True)
+    finally:
+        t_end = time.time()
+        out["operator_cpu_s"] = round(operator.usage.cpu_seconds() - cpu0, 2)
+        out["operator_peak_rss_mib"] = round(operator.usage.stop_sampling() / 2**20, 1)
+        out["run_s"] = round(t_end - t_submit, 1)
+        signal_all(stopped, signal.SIGCONT)
+        log.stop()
+        records = [r for _, r in log.snapshot()]
+        logged = [int(r["step"]) for r in records]
+        out["steps_logged"] = len(logged)
+        out["steps_missing"] = sorted(set(range(1, max(logged, default=0) + 1)) - set(logged))
+        out["world_sizes"] = sorted({int(r.get("world_size", 0)) for r in records})
+        out["load_end"] = machine_load()
+        job.delete()
+        out["pods_created"] = pods_seen.stop()
+        out["services_created"] = services_seen.stop()
+        for pod in (job.pod(0), job.pod(1)):
+            signal_all(pod_pids(job.namespace, pod, b"dtjob.trainer"), signal.SIGKILL)  # any left behind
+    return out
+
+
+def _run_fault(
+    job: BenchJob, log: StepLog, scenario: str, fault_step: int, next_gate: int, stopped: list[int]
+) -> dict[str, Any]:
+    _wait_step(log, fault_step)
+    wait_for(f"{REPLICAS_FOR[scenario]} worker pods running", lambda: _full_gang(job, REPLICAS_FOR[scenario]),
+             timeout=RECOVERY_TIMEOUT_S)  # fmt: skip
+    time.sleep(1.0)  # every rank past the step and waiting at the gate
+    pod = job.pod(FAULTED_POD)
+    node: str | None = None
+    world_after: int | None = None
+    if scenario in ("sigkill", "sigstop"):
+        pids = wait_for(f"trainer process of {pod}", lambda: trainer_pids(job.namespace, pod), timeout=60)
+        sig = signal.SIGKILL if scenario == "sigkill" else signal.SIGSTOP
+        t0 = time.time()
+        signal_all(pids, sig)
+        if sig == signal.SIGSTOP:
+            stopped.extend(pids)
+    elif scenario == "node_stop":
+        node = str(kubectl_json("get", "pod", pod, "-n", job.namespace)["spec"]["nodeName"])
+        t0 = time.time()
+        devcluster("node", "stop", node)
+    elif scenario == "scale_down":
+        t0 = time.time()
+        job.scale(1)
+        world_after = 1
+    else:
+        t0 = time.time()
+        job.scale(2)
+        world_after = 2
+    job.gate(next_gate)
+    result: dict[str, Any] = {"fault_step": fault_step}
+    try:
+        at, first = _first_after(log, t0, None, RECOVERY_TIMEOUT_S)
+        result["training_again_s"] = round(at - t0, 2)
+        result["first_world_size"] = int(first.get("world_size", 0))
+        result.update(_steps_accounting(log, fault_step, t0, first))
+        if world_after is not None and result["first_world_size"] != world_after:
+            at_w, _ = _first_after(log, t0, world_after, RECOVERY_TIMEOUT_S)
+            result["at_new_world_size_s"] = round(at_w - t0, 2)
+        elif world_after is not None:
+            result["at_new_world_size_s"] = result["training_again_s"]
+        if scenario in ("sigkill", "sigstop", "node_stop"):
+            # How long until the gang is back at 2 workers (a peer may first go on with 1).
+            at2, _ = _first_after(log, t0, 2, RECOVERY_TIMEOUT_S)
+            result["full_world_again_s"] = round(at2 - t0, 2)
+    finally:
+        if node is not None:
+            devcluster("node", "start", node)
+    return result
+
+
+# The gang size each scenario starts from.
+REPLICAS_FOR: dict[str, int] = {"sigkill": 2, "sigstop": 2, "node_stop": 2, "scale_down": 2, "scale_up": 1}
