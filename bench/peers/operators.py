@@ -10,9 +10,10 @@ server resolves a webhook Service to its ClusterIP), so the webhook's clientConf
 machine, https://127.0.0.1:<port>/validate-kubeflow-org-v1-pytorchjob, with upstream's
 failurePolicy Fail. The Secret is created beforehand holding a CA and a serving certificate for
 both `training-operator.kubeflow.svc` (what the rotator checks) and IP 127.0.0.1 (what the API
-server dials); the rotator finds them valid, keeps them, writes them to its cert dir and injects
-the CA into the webhook configuration, so every PyTorchJob create and update is validated by the
-real webhook over verified TLS.
+server dials). The rotator finds them valid and keeps them, injects the CA into the webhook
+configuration, and waits for the files in the webhook server's cert dir, which in a pod the
+Secret's volume mount provides: the bench writes them there. So every PyTorchJob create and update
+is validated by the real webhook over verified TLS.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ WEBHOOK_SECRET = "training-operator-webhook-cert"
 WEBHOOK_CONFIG = "validator.training-operator.kubeflow.org"
 WEBHOOK_DNS = f"training-operator.{KUBEFLOW_NS}.svc"
 CA_NAME = "training-operator-ca"  # the rotator checks the CA certificate against this name
+# Where v1.8.1's webhook server reads its certificate (fixed in its pkg/cert, not a flag).
+WEBHOOK_CERT_DIR = Path("/tmp/k8s-webhook-server/serving-certs")
 
 
 def free_port() -> int:
@@ -243,6 +246,11 @@ def install_training_operator(bin_dir: Path, webhook_port: int, scratch: Path) -
               "data": {k: base64.b64encode(v).decode() for k, v in certs.items()}}  # fmt: skip
     kubectl("delete", "secret", WEBHOOK_SECRET, "-n", KUBEFLOW_NS, "--ignore-not-found")
     apply_docs([secret])
+    # In a cluster the kubelet mounts the Secret at the webhook server's cert dir; the rotator only
+    # waits for the files there (and gives up after ~17 min of backoff), so the bench writes them.
+    WEBHOOK_CERT_DIR.mkdir(parents=True, exist_ok=True)
+    for name in ("ca.crt", "tls.crt", "tls.key"):
+        (WEBHOOK_CERT_DIR / name).write_bytes(certs[name])
     upstream = _yaml_docs(bin_dir / "webhook" / "manifests.yaml")[0]
     hooks = [h for h in upstream["webhooks"] if "pytorchjob" in h["name"]]
     for h in hooks:
