@@ -74,11 +74,24 @@ def _first_after(
     return found
 
 
-def _steps_accounting(log: StepLog, fault_step: int, t0: float, first: dict[str, Any]) -> dict[str, int]:
-    """Repeated: steps the new gang logged again (fault_step - resume point); lost: steps after
-    fault_step the new gang skipped."""
-    resumed_at = int(first["step"])
-    return {"repeated": max(0, fault_step - resumed_at + 1), "lost": max(0, resumed_at - fault_step - 1)}
+def steps_accounting(records: list[tuple[float, dict[str, Any]]], t0: float, t1: float) -> dict[str, int]:
+    """Steps redone and lost between a fault at t0 and the next one at t1, over every gang that
+    formed in between (a peer may go on with 1 worker, then restart again to take the second one
+    back): each time the logged step does not follow the one before, or the world size changes,
+    a new gang resumed; it redid the steps from its first one up to the last one logged before it,
+    or skipped those between them."""
+    before = [r for at, r in records if at <= t0]
+    window = [r for at, r in records if t0 < at <= t1]
+    repeated = lost = 0
+    if before:
+        prev = before[-1]
+        for r in window:
+            step, last = int(r["step"]), int(prev["step"])
+            if step != last + 1 or r.get("world_size") != prev.get("world_size"):
+                repeated += max(0, last - step + 1)
+                lost += max(0, step - last - 1)
+            prev = r
+    return {"repeated": repeated, "lost": lost}
 
 
 def _full_gang(job: BenchJob, world: int) -> bool:
@@ -129,6 +142,10 @@ def run_repeat(
         out["steps_logged"] = len(logged)
         out["steps_missing"] = sorted(set(range(1, max(logged, default=0) + 1)) - set(logged))
         out["world_sizes"] = sorted({int(r.get("world_size", 0)) for r in records})
+        faults = list(out["faults"].values())
+        for i, fault in enumerate(faults):
+            t1 = faults[i + 1]["t0"] if i + 1 < len(faults) else t_end
+            fault.update(steps_accounting(log.snapshot(), fault["t0"], t1))
         out["load_end"] = machine_load()
         job.delete()
         out["pods_created"] = pods_seen.stop()
@@ -168,12 +185,11 @@ def _run_fault(
         job.scale(2)
         world_after = 2
     job.gate(next_gate)
-    result: dict[str, Any] = {"fault_step": fault_step}
+    result: dict[str, Any] = {"fault_step": fault_step, "t0": t0}
     try:
         at, first = _first_after(log, t0, None, RECOVERY_TIMEOUT_S)
         result["training_again_s"] = round(at - t0, 2)
         result["first_world_size"] = int(first.get("world_size", 0))
-        result.update(_steps_accounting(log, fault_step, t0, first))
         if world_after is not None and result["first_world_size"] != world_after:
             at_w, _ = _first_after(log, t0, world_after, RECOVERY_TIMEOUT_S)
             result["at_new_world_size_s"] = round(at_w - t0, 2)
