@@ -48,18 +48,6 @@ def _step_records(log: StepLog, after: float) -> list[tuple[float, dict[str, Any
     return log.since(after)
 
 
-def _wait_step(log: StepLog, step: int, timeout: float = RECOVERY_TIMEOUT_S) -> float:
-    """Waits for rank 0 to log `step`; returns when the bench saw it."""
-
-    def seen() -> float | None:
-        for at, r in log.snapshot():
-            if r["step"] == step:
-                return at
-        return None
-
-    return float(wait_for(f"step {step} logged", seen, timeout=timeout, interval=0.1))
-
-
 def _first_after(
     log: StepLog, t0: float, world_size: int | None, timeout: float
 ) -> tuple[float, dict[str, Any]]:
@@ -92,6 +80,11 @@ def steps_accounting(records: list[tuple[float, dict[str, Any]]], t0: float, t1:
                 lost += max(0, step - last - 1)
             prev = r
     return {"repeated": repeated, "lost": lost}
+
+
+def _at(log: StepLog, step: int, world: int) -> bool:
+    snap = log.snapshot()
+    return bool(snap) and snap[-1][1]["step"] == step and snap[-1][1].get("world_size") == world
 
 
 def _full_gang(job: BenchJob, world: int) -> bool:
@@ -158,9 +151,14 @@ def run_repeat(
 def _run_fault(
     job: BenchJob, log: StepLog, scenario: str, fault_step: int, next_gate: int, stopped: list[int]
 ) -> dict[str, Any]:
-    _wait_step(log, fault_step)
-    wait_for(f"{REPLICAS_FOR[scenario]} worker pods running", lambda: _full_gang(job, REPLICAS_FOR[scenario]),
-             timeout=RECOVERY_TIMEOUT_S)  # fmt: skip
+    world = REPLICAS_FOR[scenario]
+    # The gang this fault meets: at the fault's step and at its world size. Pods running are not
+    # enough: a PyTorchJob that went on with 1 worker after a node loss takes the new second pod
+    # in only at torchrun's next restart (it redoes the steps since the checkpoint and reaches
+    # the gate again at world size 2).
+    wait_for(f"step {fault_step} at world size {world}", lambda: _at(log, fault_step, world),
+             timeout=RECOVERY_TIMEOUT_S, interval=0.1)  # fmt: skip
+    wait_for(f"{world} worker pods running", lambda: _full_gang(job, world), timeout=RECOVERY_TIMEOUT_S)
     time.sleep(1.0)  # every rank past the step and waiting at the gate
     pod = job.pod(FAULTED_POD)
     node: str | None = None
@@ -184,7 +182,11 @@ def _run_fault(
         t0 = time.time()
         job.scale(2)
         world_after = 2
-    job.gate(next_gate)
+    # A fault's new gang trains on at once. A rescale's old gang may do one more step, then waits
+    # until a step at the new world size shows: a gang that is not stopped for the rescale (a
+    # PyTorchJob's torchrun takes a new node in at its next rendezvous) would otherwise finish
+    # the job before the new worker's process has started.
+    job.gate(next_gate if world_after is None else fault_step + 1)
     result: dict[str, Any] = {"fault_step": fault_step, "t0": t0}
     try:
         at, first = _first_after(log, t0, None, RECOVERY_TIMEOUT_S)
@@ -195,6 +197,7 @@ def _run_fault(
             result["at_new_world_size_s"] = round(at_w - t0, 2)
         elif world_after is not None:
             result["at_new_world_size_s"] = result["training_again_s"]
+        job.gate(next_gate)
         if scenario in ("sigkill", "sigstop", "node_stop"):
             # How long until the gang is back at 2 workers (a peer may first go on with 1). Not
             # fatal: a PyTorchJob's pod on a stopped node stays Terminating (nobody confirms its
@@ -205,6 +208,7 @@ def _run_fault(
             except BenchError as e:
                 result["full_world_again_error"] = str(e)
     finally:
+        job.gate(next_gate)
         if node is not None:
             devcluster("node", "start", node)
     return result
