@@ -59,7 +59,9 @@ def merge(parts: list[dict[str, Any]]) -> dict[str, Any]:
     for label, path, unit in ROWS:
         row: dict[str, Any] = {"row": label, "unit": unit, "key": ".".join(path)}
         for kind in KINDS:
-            mine = [r for r in repeats if r["operator"] == kind]
+            # a repeat whose figure for this fault was found wrong (excluded_faults says why)
+            mine = [r for r in repeats if r["operator"] == kind
+                    and not (path[0] == "faults" and path[1] in r.get("excluded_faults", {}))]  # fmt: skip
             values = [float(v) for r in mine if (v := _get(r, path)) is not None]
             row[kind] = summarize(values)
             lost = _lost_path(path)
