@@ -5,13 +5,16 @@ the gang after that step, so every fault hits a gang in the same state on both s
     after step 12: SIGKILL worker-1's trainer process                 sigkill
     after step 27: SIGSTOP worker-1's trainer process (hung)          sigstop
     after step 42: stop worker-1's node (nodelet killed, pods die)    node_stop
-    after step 57: scale to 1 (kubectl scale)                         scale_down
-    after step 67: scale to 2                                         scale_up
+    after step 52: scale to 1 (kubectl scale)                         scale_down
+    after step 60: scale to 2                                         scale_up
     step 75: the job completes
 
 Each fault's figure is the time from the fault to the first step a new gang logs ("training
 again"), the steps logged twice (redone from the newest checkpoint, every 5 steps: faults come 2
-steps after one) and the steps never logged. Scale figures wait for a step at the new world size.
+steps after one) and the steps never logged. Scale figures wait for a step at the new world size;
+until then the gate lets the gang do one step every METRONOME_S (the tiny model's steps take a
+fraction of a second: a gang not stopped for the rescale would otherwise finish the job first,
+and one held at a fixed step could not take the step a new gang resumes at).
 Over the run: pods and Services created (a watch from before the submit), the operator's CPU
 seconds and peak RSS from the submit to the job's end.
 """
@@ -19,6 +22,7 @@ seconds and peak RSS from the submit to the job's end.
 from __future__ import annotations
 
 import signal
+import threading
 import time
 from typing import Any
 
@@ -37,9 +41,10 @@ from bench.peers.kube import (
 from bench.peers.operators import HostOperator
 
 TOTAL_STEPS = 75
-FAULT_STEPS = {"sigkill": 12, "sigstop": 27, "node_stop": 42, "scale_down": 57, "scale_up": 67}
+FAULT_STEPS = {"sigkill": 12, "sigstop": 27, "node_stop": 42, "scale_down": 52, "scale_up": 60}
 SCENARIOS = tuple(FAULT_STEPS)
 RECOVERY_TIMEOUT_S = 300.0
+METRONOME_S = 3.0
 FULL_WORLD_TIMEOUT_S = 150.0  # past it "back at 2 workers" counts as never (the row says how often)
 FAULTED_POD = 1  # worker-1: not the pod whose Service is torchrun's rendezvous endpoint
 
@@ -80,6 +85,28 @@ def steps_accounting(records: list[tuple[float, dict[str, Any]]], t0: float, t1:
                 lost += max(0, step - last - 1)
             prev = r
     return {"repeated": repeated, "lost": lost}
+
+
+class Metronome:
+    """Moves the gate one step further every METRONOME_S, from fault_step + 1 up to `until`."""
+
+    def __init__(self, job: BenchJob, fault_step: int, until: int) -> None:
+        self.job, self.step, self.until = job, fault_step + 1, until
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(METRONOME_S) and self.step < self.until:
+            self.step += 1
+            self.job.gate(self.step)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
 
 
 def _at(log: StepLog, step: int, world: int) -> bool:
@@ -182,11 +209,13 @@ def _run_fault(
         t0 = time.time()
         job.scale(2)
         world_after = 2
-    # A fault's new gang trains on at once. A rescale's old gang may do one more step, then waits
-    # until a step at the new world size shows: a gang that is not stopped for the rescale (a
-    # PyTorchJob's torchrun takes a new node in at its next rendezvous) would otherwise finish
-    # the job before the new worker's process has started.
-    job.gate(next_gate if world_after is None else fault_step + 1)
+    # A fault's new gang trains on at once; a rescale's trains one step per METRONOME_S until a
+    # step at the new world size shows (a PyTorchJob's torchrun takes a new node in only at its
+    # next rendezvous, and would otherwise finish the job first).
+    metronome = None if world_after is None else Metronome(job, fault_step, next_gate)
+    job.gate(next_gate if metronome is None else fault_step + 1)
+    if metronome is not None:
+        metronome.start()
     result: dict[str, Any] = {"fault_step": fault_step, "t0": t0}
     try:
         at, first = _first_after(log, t0, None, RECOVERY_TIMEOUT_S)
@@ -197,6 +226,8 @@ def _run_fault(
             result["at_new_world_size_s"] = round(at_w - t0, 2)
         elif world_after is not None:
             result["at_new_world_size_s"] = result["training_again_s"]
+        if metronome is not None:
+            metronome.stop()
         job.gate(next_gate)
         if scenario in ("sigkill", "sigstop", "node_stop"):
             # How long until the gang is back at 2 workers (a peer may first go on with 1). Not
@@ -208,6 +239,8 @@ def _run_fault(
             except BenchError as e:
                 result["full_world_again_error"] = str(e)
     finally:
+        if metronome is not None:
+            metronome.stop()
         job.gate(next_gate)
         if node is not None:
             devcluster("node", "start", node)
