@@ -53,6 +53,17 @@ bench: venv
 bench-scale: venv binaries
 	$(PY) bench/scale.py
 
+# Not part of `make test`: dtjob and Kubeflow's PyTorchJob (training-operator, built from the Go
+# module proxy) on the devcluster, same trainer and faults (bench/peers/): one run of
+# BENCH_PEERS_REPEATS repeats of each, then the table merged over every run so far. The devcluster
+# is shared by everyone on the machine: the run holds its lock and takes the cluster down.
+BENCH_PEERS_REPEATS ?= 5
+DEVCLUSTER_LOCK ?= /tmp/dtjob-e2e.lock
+.PHONY: bench-peers
+bench-peers: venv binaries
+	flock $(DEVCLUSTER_LOCK) $(PY) -m bench.peers run --repeats $(BENCH_PEERS_REPEATS) --down
+	$(PY) -m bench.peers report
+
 # On a machine with a GPU (not part of `make test`; CI has none): bench/gpu_check.py's table.
 gpu-check: venv
 	$(PY) bench/gpu_check.py

@@ -114,17 +114,19 @@ def launch(
     generations: list[int] | None = None,
     env: dict[str, str] | None = None,
     command: list[str] | None = None,
+    master_port: int | None = None,
 ) -> Gang:
     """Start `world_size` trainer processes; rank 0 writes its JSON lines to workdir/<name>.jsonl.
 
     generations: each rank's DTJOB_GENERATION (default 0 for all).
     command: what each process runs after the interpreter (default: -m dtjob.trainer); it must
         take --log-file.
+    master_port: MASTER_PORT (default: a free port), e.g. of a store the test hosts.
     """
     logs = workdir / f"{name}-logs"
     logs.mkdir(parents=True, exist_ok=True)
     log_file = workdir / f"{name}.jsonl"
-    port = str(free_port())
+    port = str(master_port or free_port())
     procs = []
     for rank in range(world_size):
         rank_env = trainer_env(
@@ -162,9 +164,10 @@ def run(
     name: str,
     env: dict[str, str] | None = None,
     command: list[str] | None = None,
+    master_port: int | None = None,
 ) -> Gang:
     """Launch and wait; fail with every rank's stderr unless all exit 0."""
-    gang = launch(world_size, args, workdir, name, env=env, command=command)
+    gang = launch(world_size, args, workdir, name, env=env, command=command, master_port=master_port)
     codes = gang.wait()
     assert codes == [0] * world_size, f"exit codes {codes}\n{gang.stderr()}"
     return gang

@@ -126,3 +126,26 @@ def test_a_hung_rank_is_found_by_the_heartbeat_long_before_the_collective_timeou
     # 4 s of silence, a beat a second, two for the others to see the verdict; a loaded machine
     # adds to it, but never the 120 s collective timeout.
     assert seconds < 30, seconds
+
+
+def test_a_verdict_left_in_torchruns_store_by_an_earlier_gang_does_not_end_the_next(tmp_path: Path) -> None:
+    """Under torchrun every rank is a client of the agent's store (TORCHELASTIC_USE_AGENT_STORE),
+    which outlives the gangs it serves: each restart round at the same world size finds what the
+    gangs before it left under the same prefix. Here the store (hosted by the test, as the agent
+    hosts it) holds the heartbeat's verdict of a gang that lost rank 1; the next gang must train."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    port = free_port_run(1)
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=30))  # fmt: skip
+    earlier = "dtjob/g0/ws2/hb"  # where a gang of generation 0 at world size 2 kept its heartbeat
+    store.set(f"{earlier}/lost-rank", "1")
+    store.add(f"{earlier}/lost", 1)
+    store.add(f"{earlier}/done/1", 1)  # and a rank that said it finished: nobody would watch it
+    args = [*TINY_GPT, "--global-batch-size", "4", "--steps", "6", "--collective", "native"]
+    env = {"TORCHELASTIC_USE_AGENT_STORE": "True", "DTJOB_HEARTBEAT_TIMEOUT": "4"}
+    gang = run(2, args, tmp_path, "next", env=env, master_port=port)
+    assert [s["step"] for s in gang.steps()] == list(range(1, 7))
+    assert "peer lost" not in gang.stderr()

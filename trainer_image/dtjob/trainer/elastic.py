@@ -20,6 +20,7 @@ checkpoint indexes, Python objects.
 from __future__ import annotations
 
 import os
+import secrets
 import socket
 import time
 from dataclasses import dataclass
@@ -146,6 +147,17 @@ def _check_generation(store: dist.Store, c: Gang) -> None:
 def gang_prefix(c: Gang) -> str:
     """The store prefix of this generation's gang (its process group, its heartbeats)."""
     return f"dtjob/g{c.generation}/ws{c.world_size}"
+
+
+def gang_token() -> str:
+    """A token every rank of the gang just formed shares and no earlier gang had: rank 0 draws it,
+    the control group broadcasts it. Keys a gang keeps in the store after it formed go under it:
+    under torchrun every rank is a client of the agent's store, which outlives the gangs it serves,
+    and a restart round at the same world size has the same gang_prefix, so an earlier gang's
+    heartbeat verdict ("rank 1 lost") would otherwise end every later gang within a second."""
+    token = [secrets.token_hex(8) if dist.get_rank() == 0 else ""]
+    dist.broadcast_object_list(token, src=0, group=control_group())
+    return str(token[0])
 
 
 def init_process_group(c: Gang, backend: str = "gloo") -> dist.Store | None:

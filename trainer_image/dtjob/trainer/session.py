@@ -147,8 +147,16 @@ class ElasticSession:
         self.stop = StopRequest()
         elastic.init_process_group(g, backend_for(self.device))
         # A silent peer (hung, cut off, its node gone) stops the gang in seconds (heartbeat.py).
-        self.heartbeat = heartbeat.start(
-            elastic.gang_prefix(g), g.master_addr, g.master_port, g.rank, g.world_size
+        self.heartbeat = (
+            heartbeat.start(
+                f"{elastic.gang_prefix(g)}/{elastic.gang_token()}",
+                g.master_addr,
+                g.master_port,
+                g.rank,
+                g.world_size,
+            )
+            if g.world_size > 1
+            else None
         )
         # From here on SIGTERM means "finish the step, checkpoint, exit 75". Until the gang formed
         # it killed at once: nothing was trained that a checkpoint would keep.

@@ -1,0 +1,1 @@
+"""dtjob and Kubeflow's PyTorchJob, measured on the same devcluster (python -m bench.peers)."""
