@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 export DTJOB_CACHE ?= $(HOME)/.cache/dtjob
 PYTEST_ARGS ?=
 
-.PHONY: venv binaries test test-quick lint crds demo bench gpu-check devcluster-up devcluster-down clean
+.PHONY: venv binaries test test-quick lint crds demo bench chaos gpu-check devcluster-up devcluster-down clean
 
 venv: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
@@ -47,6 +47,12 @@ demo: venv binaries
 bench: venv
 	$(PY) bench/collectives.py
 	$(PY) bench/training.py
+
+# The chaos soak (not in `make test`, which runs one fault of each kind): tests/chaos with 3 faults
+# of each kind, writing bench/results/chaos.json (the table in bench/README.md).
+chaos: venv binaries
+	DTJOB_CHAOS_ROUNDS=3 DTJOB_CHAOS_RESULTS=bench/results/chaos.json $(PY) -m pytest -s tests/chaos $(PYTEST_ARGS)
+	$(PY) -m tests.chaos.report bench/results/chaos.json
 
 # On a machine with a GPU (not part of `make test`; CI has none): bench/gpu_check.py's table.
 gpu-check: venv

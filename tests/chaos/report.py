@@ -82,3 +82,9 @@ def write(
     path.parent.mkdir(parents=True, exist_ok=True)
     body = {**meta, "table": summarize(outcomes), "outcomes": [asdict(o) for o in outcomes], "jobs": jobs}
     path.write_text(json.dumps(body, indent=1) + "\n")
+
+
+if __name__ == "__main__":  # `python -m tests.chaos.report FILE`: the table of a written run
+    import sys
+
+    print(markdown(json.loads(Path(sys.argv[1]).read_text())["table"]))
