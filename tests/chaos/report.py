@@ -15,8 +15,9 @@ from typing import Any
 class Outcome:
     """One injected fault and what followed it, times in seconds after the injection.
 
+    exited: the job's first worker exit seen (a pod watch): the gang's own detection; exit_code its code.
     detected: the job's status first showed the gang restarting (restarts or generation up), as
-    polled from the API server; None when it never did (a fault the gang rode out).
+    polled from the API server; None when it never did (a planned rescale).
     training_again: rank 0 first logged a step of a later generation (the step log).
     steps_lost: steps run before the fault and run again after it."""
 
@@ -27,6 +28,8 @@ class Outcome:
     steps_lost: int
     resumed_from: int
     damaged_step: int | None = None
+    exited: float | None = None
+    exit_code: int | None = None
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -43,9 +46,12 @@ def summarize(outcomes: Sequence[Outcome]) -> dict[str, dict[str, Any]]:
     for kind in dict.fromkeys(o.kind for o in outcomes):
         rows = [o for o in outcomes if o.kind == kind]
         detected = [o.detected for o in rows if o.detected is not None]
+        exited = [o.exited for o in rows if o.exited is not None]
         again = [o.training_again for o in rows if o.training_again is not None]
         table[kind] = {
             "injected": len(rows),
+            "exited_p50_s": percentile(exited, 50),
+            "exited_p95_s": percentile(exited, 95),
             "detected_p50_s": percentile(detected, 50),
             "detected_p95_s": percentile(detected, 95),
             "training_again_p50_s": percentile(again, 50),
@@ -62,13 +68,14 @@ def _cell(value: float | None) -> str:
 
 def markdown(table: dict[str, dict[str, Any]]) -> str:
     lines = [
-        "| fault | injected | detected p50 / p95 (s) | training again p50 / p95 (s) "
-        "| steps lost (total, max) |",
-        "|---|---|---|---|---|",
+        "| fault | injected | first worker exit p50 / p95 (s) | restart on the job p50 / p95 (s) "
+        "| training again p50 / p95 (s) | steps lost (total, max) |",
+        "|---|---|---|---|---|---|",
     ]
     for kind, r in table.items():
         lines.append(
-            f"| {kind} | {r['injected']} | {_cell(r['detected_p50_s'])} / {_cell(r['detected_p95_s'])} "
+            f"| {kind} | {r['injected']} | {_cell(r.get('exited_p50_s'))} / {_cell(r.get('exited_p95_s'))} "
+            f"| {_cell(r['detected_p50_s'])} / {_cell(r['detected_p95_s'])} "
             f"| {_cell(r['training_again_p50_s'])} / {_cell(r['training_again_p95_s'])} "
             f"| {r['steps_lost_total']}, {r['steps_lost_max']} |"
         )

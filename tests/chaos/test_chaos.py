@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import os
 import random
+import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -24,6 +26,7 @@ from typing import Any
 
 import pytest
 
+from dtjob.devcluster.binaries import Binaries
 from tests.chaos import faults
 from tests.chaos.report import Outcome, markdown, summarize, write
 from tests.e2e.conftest import Devcluster, kubectl, kubectl_json, wait_for
@@ -31,6 +34,7 @@ from tests.e2e.operator_harness import (
     SCRATCH,
     Operator,
     apply,
+    events,
     job_manifest,
     open_gate,
     operator_namespace,
@@ -70,6 +74,51 @@ class Job:
 @pytest.fixture(scope="module")
 def op(devcluster: Devcluster) -> Iterator[Operator]:
     yield from operator_namespace("chaos")
+
+
+class ExitWatch:
+    """`kubectl get pods --watch` in the background: when (this machine's clock, to the watch's
+    latency) each worker's exit was first seen. The first exit after a fault is the gang's own
+    detection: the killed worker itself, or the survivors of a hang or a cut leaving (exit 76)."""
+
+    TEMPLATE = '{.metadata.name}{" "}{.status.containerStatuses[0].state.terminated.exitCode}{"\\n"}'
+
+    def __init__(self, namespace: str) -> None:
+        self.namespace = namespace
+        self.exits: list[tuple[float, str, int]] = []
+        self._stopped = threading.Event()
+        self._proc: subprocess.Popen[str] | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        kubectl_path = str(Binaries.pinned().path("kubectl"))
+        while not self._stopped.is_set():  # a watch the API server ends is started again
+            self._proc = subprocess.Popen(
+                [kubectl_path, "get", "pods", "-n", self.namespace, "--watch",
+                 "-o", f"jsonpath={self.TEMPLATE}"],
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+            )  # fmt: skip
+            assert self._proc.stdout is not None
+            for line in self._proc.stdout:
+                name, _, code = line.strip().partition(" ")
+                if code.lstrip("-").isdigit():
+                    self.exits.append((time.time(), name, int(code)))
+            self._proc.wait()
+
+    def first_exit(self, job: str, after: float) -> tuple[float, int] | None:
+        """(seconds after `after`, exit code) of the job's first worker exit seen since then."""
+        seen = [
+            (t - after, code)
+            for t, name, code in self.exits
+            if t >= after and name.startswith(f"{job}-worker-")
+        ]
+        return min(seen) if seen else None
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self._proc is not None:
+            self._proc.kill()
 
 
 def next_gate(rng: random.Random, after: int) -> int:
@@ -113,7 +162,7 @@ def wait_held(op: Operator, job: Job) -> None:
     wait_for(f"{job.name}: its newest gang at step {job.gate}", held, timeout=RECOVERY_TIMEOUT)
 
 
-def inject(op: Operator, job: Job, kind: str, rng: random.Random) -> Outcome:
+def inject(op: Operator, job: Job, kind: str, rng: random.Random, watch: ExitWatch) -> Outcome:
     """Inject one fault into `job` (waiting at its gate), wait until it trains again, count."""
     wait_held(op, job)
     before_log = step_log(op, job.name)
@@ -168,9 +217,12 @@ def inject(op: Operator, job: Job, kind: str, rng: random.Random) -> Outcome:
     new = [r for r in log[len(before_log) :] if r["generation"] > gen0]
     last_before = max(r["step"] for r in log[: len(log) - len(new)])
     resumed_from = new[0]["step"] - 1
-    print(f"chaos: {kind} on {job.name} rank {rank} at gate {held_at}: detected {detected}, "
-          f"training again {again:.1f}s, resumed from {resumed_from} (damaged {damaged})")  # fmt: skip
-    return Outcome(kind, job.name, detected, again, max(0, last_before - resumed_from), resumed_from, damaged)
+    exited = watch.first_exit(job.name, t0)
+    print(f"chaos: {kind} on {job.name} rank {rank} at gate {held_at}: first exit {exited}, "
+          f"restart seen {detected}, training again {again:.1f}s, resumed from {resumed_from} "
+          f"(damaged {damaged})")  # fmt: skip
+    return Outcome(kind, job.name, detected, again, max(0, last_before - resumed_from), resumed_from, damaged,
+                   exited=exited[0] if exited else None, exit_code=exited[1] if exited else None)  # fmt: skip
 
 
 def rescale(op: Operator, job: Job, replicas: int, rng: random.Random) -> Outcome:
@@ -281,11 +333,17 @@ def test_jobs_under_chaos_succeed_with_every_step_and_their_twins_loss(op: Opera
         queue.remove(item)
         order.append(item)
     outcomes: list[Outcome] = []
-    for job, kind in order:
-        if kind.startswith("scale-"):
-            outcomes.append(rescale(op, job, job.replicas - 1 if kind == "scale-down" else job.replicas, rng))
-        else:
-            outcomes.append(inject(op, job, kind, rng))
+    watch = ExitWatch(op.namespace)
+    try:
+        for job, kind in order:
+            if kind.startswith("scale-"):
+                outcomes.append(
+                    rescale(op, job, job.replicas - 1 if kind == "scale-down" else job.replicas, rng)
+                )
+            else:
+                outcomes.append(inject(op, job, kind, rng, watch))
+    finally:
+        watch.stop()
     for j in jobs:
         open_gate(op, j.name, steps)
     ends: dict[str, dict[str, Any]] = {}
@@ -295,7 +353,7 @@ def test_jobs_under_chaos_succeed_with_every_step_and_their_twins_loss(op: Opera
         ends[j.name] = {
             "phase": done["phase"], "step": done["step"], "restarts": done.get("restarts", 0),
             "generations": generation_of(log) + 1, "world_sizes": sorted({r["world_size"] for r in log}),
-            "final_loss": log[-1]["loss"],
+            "final_loss": log[-1]["loss"], "events": sorted({e["reason"] for e in events(op, j.name)}),
         }  # fmt: skip
         assert done["step"] == steps
         assert_sound(j, log, steps, [o for o in outcomes if o.job == j.name])
