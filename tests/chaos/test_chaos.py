@@ -356,6 +356,8 @@ def test_jobs_under_chaos_succeed_with_every_step_and_their_twins_loss(op: Opera
             "final_loss": log[-1]["loss"], "events": sorted({e["reason"] for e in events(op, j.name)}),
         }  # fmt: skip
         assert done["step"] == steps
+        unplanned = [o for o in outcomes if o.job == j.name and not o.kind.startswith("scale-")]
+        assert int(done.get("restarts") or 0) >= len(unplanned), f"{j.name}: a restart not counted: {done}"
         assert_sound(j, log, steps, [o for o in outcomes if o.job == j.name])
     for j in jobs:
         if j.scaled:
