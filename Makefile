@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 export DTJOB_CACHE ?= $(HOME)/.cache/dtjob
 PYTEST_ARGS ?=
 
-.PHONY: venv binaries test test-quick lint crds demo bench bench-scale gpu-check devcluster-up devcluster-down clean
+.PHONY: venv binaries test test-quick lint crds demo bench bench-scale bench-peers chaos gpu-check devcluster-up devcluster-down clean
 
 venv: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
@@ -59,10 +59,15 @@ bench-scale: venv binaries
 # is shared by everyone on the machine: the run holds its lock and takes the cluster down.
 BENCH_PEERS_REPEATS ?= 5
 DEVCLUSTER_LOCK ?= /tmp/dtjob-e2e.lock
-.PHONY: bench-peers
 bench-peers: venv binaries
 	flock $(DEVCLUSTER_LOCK) $(PY) -m bench.peers run --repeats $(BENCH_PEERS_REPEATS) --down
 	$(PY) -m bench.peers report
+
+# The chaos soak (not in `make test`, which runs one fault of each kind): tests/chaos with 3 faults
+# of each kind, writing bench/results/chaos.json (the table in bench/README.md).
+chaos: venv binaries
+	DTJOB_CHAOS_ROUNDS=3 DTJOB_CHAOS_RESULTS=bench/results/chaos.json $(PY) -m pytest -s tests/chaos $(PYTEST_ARGS)
+	$(PY) -m tests.chaos.report bench/results/chaos.json
 
 # On a machine with a GPU (not part of `make test`; CI has none): bench/gpu_check.py's table.
 gpu-check: venv

@@ -116,13 +116,15 @@ def job_manifest(
     command: list[str] | None = None,
     checkpoint_every: int = 5,
     gate: int | None = None,
+    trainer_args: list[str] | None = None,
     **spec_extra: Any,
 ) -> dict[str, Any]:
     """A tiny GPT job (1 block, width 32): a step takes a fraction of a second on this machine.
     Checkpoints and rank 0's step log go to SCRATCH/<namespace>/<name>/ on the host.
 
     gate: the trainers run up to this step and wait there (the step gate, SCRATCH/<ns>/<name>/gate)
-    until `open_gate` lets them further, so a test acts at the step it chooses."""
+    until `open_gate` lets them further, so a test acts at the step it chooses.
+    trainer_args: more trainer flags after the defaults (a later flag wins: `--layers=2`)."""
     host = SCRATCH / op.namespace / name
     (host / "checkpoints").mkdir(parents=True, exist_ok=True)
     (host / "logs").mkdir(parents=True, exist_ok=True)
@@ -131,7 +133,7 @@ def job_manifest(
         "--model=gpt", "--layers=1", "--dim=32", "--heads=2", "--seq-len=32",
         f"--steps={steps}", "--global-batch-size=12", "--lr=3e-3", "--warmup-steps=2",
         f"--checkpoint-every={checkpoint_every}", "--keep-checkpoints=3",
-        "--log-file=/steplog/steps.jsonl", "--rendezvous-timeout=120",
+        "--log-file=/steplog/steps.jsonl", "--rendezvous-timeout=120", *(trainer_args or []),
     ]  # fmt: skip
     container: dict[str, Any] = {
         "name": "trainer",
@@ -268,6 +270,13 @@ def sigkill_worker(op: Operator, name: str, rank: int, program: bytes = b"dtjob.
     for pid in pids:
         os.kill(pid, signal.SIGKILL)
     return killed_at
+
+
+def devcluster_node(action: str, name: str) -> None:
+    """`dtjob devcluster node stop|start NAME` (node loss: its lease stops, its pods are killed)."""
+    done = subprocess.run([sys.executable, "-m", "dtjob.cli", "devcluster", "node", action, name],
+                          capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr
 
 
 def condition(st: dict[str, Any], ctype: str) -> dict[str, Any]:

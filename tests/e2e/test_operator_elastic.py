@@ -4,8 +4,6 @@ with shrink and grow-back."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,6 +14,7 @@ from tests.e2e.operator_harness import (
     SCRATCH,
     Operator,
     apply,
+    devcluster_node,
     events,
     job_manifest,
     open_gate,
@@ -115,12 +114,6 @@ def _node_of(op: Operator, pod: str) -> str:
     pytest.fail(f"{pod} not found")
 
 
-def _devcluster_node(action: str, name: str) -> None:
-    done = subprocess.run([sys.executable, "-m", "dtjob.cli", "devcluster", "node", action, name],
-                          capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
-    assert done.returncode == 0, done.stderr
-
-
 def test_node_loss_shrinks_not_below_min_and_grows_back_without_losing_a_step(op: Operator) -> None:
     # 3 cpus per worker on 4-cpu nodes: one worker per node, no spare capacity anywhere. The step
     # gate holds each generation where the test acts.
@@ -130,13 +123,13 @@ def test_node_loss_shrinks_not_below_min_and_grows_back_without_losing_a_step(op
     apply(manifest)
     wait_step(op, "nodes", 8)
     lost = _node_of(op, "nodes-worker-1")
-    _devcluster_node("stop", lost)
+    devcluster_node("stop", lost)
     try:
         wait_status(op, "nodes", "shrunk to 2 running workers", running_at(2), timeout=120)
         open_gate(op, "nodes", 14)  # past the checkpoint of step 12: a grow-back waits for one
         wait_step(op, "nodes", 14, timeout=90)
     finally:
-        _devcluster_node("start", lost)
+        devcluster_node("start", lost)
     grown = wait_status(
         op, "nodes", "grown back to 3 running workers", running_at(3, generation=2), timeout=120
     )

@@ -122,3 +122,15 @@ def test_node_command_rejects_unknown_names() -> None:
     result = _devcluster("node", "stop", "node-a")
     assert result.returncode == 2
     assert "dtjob-node-<N>" in result.stderr
+
+
+def test_net_command_without_a_cluster_says_how_to_start_one(tmp_path: Path) -> None:
+    result = _devcluster("net", "down", "job-worker-1", "-n", "ns", DTJOB_DEVCLUSTER_DIR=str(tmp_path / "dc"))
+    assert result.returncode == 1
+    assert "no cluster is running" in result.stderr and "dtjob devcluster up" in result.stderr
+
+
+def test_net_command_takes_only_down_or_up() -> None:
+    result = _devcluster("net", "sideways", "job-worker-1")
+    assert result.returncode == 2
+    assert "'down', 'up'" in result.stderr

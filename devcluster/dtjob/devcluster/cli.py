@@ -1,4 +1,4 @@
-"""`dtjob devcluster up | down | status | env | node stop NAME | node start NAME`."""
+"""`dtjob devcluster up | down | status | env | node stop|start NAME | net down|up POD [-n NS]`."""
 
 from __future__ import annotations
 
@@ -82,6 +82,14 @@ def parser() -> argparse.ArgumentParser:
     node = sub.add_parser("node", help="simulate node loss: node stop NAME, node start NAME")
     node.add_argument("action", choices=["stop", "start"])
     node.add_argument("name", type=_node_name, help="dtjob-node-<N>")
+    net = sub.add_parser(
+        "net",
+        help="cut one pod off the network (net down POD: the host end of its veth down; its processes "
+        "keep running) or connect it again (net up POD)",
+    )
+    net.add_argument("action", choices=["down", "up"])
+    net.add_argument("pod", help="pod name")
+    net.add_argument("-n", "--namespace", default="default", help="the pod's namespace (default: default)")
     return p
 
 
@@ -106,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
             return cluster.status(layout)
         if args.command == "env":
             return cluster.env(layout)
+        if args.command == "net":
+            return cluster.pod_network(layout, args.namespace, args.pod, up=args.action == "up")
         if args.action == "stop":
             return cluster.node_stop(layout, args.name)
         return cluster.node_start(layout, args.name)

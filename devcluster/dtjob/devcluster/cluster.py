@@ -1,4 +1,5 @@
-"""The devcluster as a whole: `up`, `down`, `status`, `env` and node loss (`node stop|start`)."""
+"""The devcluster as a whole: `up`, `down`, `status`, `env`, node loss (`node stop|start`) and one
+pod's network cut (`net down|up`)."""
 
 from __future__ import annotations
 
@@ -451,4 +452,43 @@ def node_start(layout: Layout, name: str, timeout: float = NODES_TIMEOUT) -> int
         nodes.start(layout, name, config.shape)
         _wait_nodes_ready(layout, {name: since}, timeout)
     print(f"devcluster: started {name}; it is Ready")
+    return 0
+
+
+def _pod_sandbox(layout: Layout, namespace: str, pod: str) -> tuple[str, str]:
+    """(node, host end of the veth) of a running pod of this cluster: the pod's uid from the API
+    server, its sandbox record from the nodelet's state (nodelet/state.py)."""
+    status, body = ApiClient(layout).get(f"/api/v1/namespaces/{namespace}/pods/{pod}")
+    if status == 404:
+        raise DevclusterError(f"no pod {namespace}/{pod}")
+    if status != 200:
+        raise DevclusterError(f"reading pod {namespace}/{pod} failed (HTTP {status}): {body.strip()[:200]}")
+    uid = json.loads(body)["metadata"]["uid"]
+    records = sorted(layout.nodes.glob(f"*/pods/{uid}/sandbox.json")) if layout.nodes.is_dir() else []
+    for record in records:
+        try:
+            veth = json.loads(record.read_text())["veth"]
+        except (OSError, ValueError, KeyError):
+            continue
+        if network.link_exists(veth):
+            return record.parents[2].name, str(veth)
+    raise DevclusterError(
+        f"pod {namespace}/{pod} has no network on this cluster's nodes "
+        "(not started yet, finished, or its node is stopped)"
+    )
+
+
+def pod_network(layout: Layout, namespace: str, pod: str, up: bool) -> int:
+    """Cuts one pod off the network (`net down`: the host end of its veth down, so nothing reaches
+    it and it reaches nothing, the API server included; its processes keep running) or connects it
+    again (`net up`)."""
+    with locked(layout):
+        if not is_up(layout):
+            raise DevclusterError(
+                f"no cluster is running in {layout.root}; start one with `dtjob devcluster up`"
+            )
+        node, veth = _pod_sandbox(layout, namespace, pod)
+        network.set_link(veth, up)
+    state = "connected again" if up else "cut off the network"
+    print(f"devcluster: pod {namespace}/{pod} on {node} {state} (veth {veth} {'up' if up else 'down'})")
     return 0

@@ -28,8 +28,17 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return result
 
 
-def bridge_exists(name: str = BRIDGE) -> bool:
+def link_exists(name: str) -> bool:
     return _ip("link", "show", "dev", name, check=False).returncode == 0
+
+
+def bridge_exists(name: str = BRIDGE) -> bool:
+    return link_exists(name)
+
+
+def set_link(name: str, up: bool) -> None:
+    """An interface up or down (a pod's veth: `dtjob devcluster net up|down`)."""
+    _ip("link", "set", "dev", name, "up" if up else "down")
 
 
 def bridge_addresses(name: str = BRIDGE) -> list[str]:

@@ -1,0 +1,379 @@
+"""Chaos on the devcluster: several jobs at once (DDP, ZeRO-3, pipeline, and a DDP job scaled down
+and up with kubectl mid-run) while faults of every kind in tests/chaos/faults.py hit them, one at
+a time, at seeded random moments. A fault-free twin of each fixed-size job runs beside them.
+
+At the end every job must have Succeeded with exactly its steps, rank 0's step log must show no
+damaged checkpoint loaded, every step run twice at one world size the same loss, the final loss
+of each fixed-size job its twin's (1e-5 relative), and after the jobs are deleted no pod, Service
+or trainer process of theirs may be left.
+
+DTJOB_CHAOS_SEED (default 23) picks the moments, the ranks and the order; DTJOB_CHAOS_ROUNDS
+(default 1) how many faults of each kind; DTJOB_CHAOS_RESULTS a JSON file for the counts
+(`make chaos`: 3 rounds into bench/results/chaos.json). Times are recorded, never asserted.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dtjob.devcluster.binaries import Binaries
+from tests.chaos import faults
+from tests.chaos.report import Outcome, markdown, summarize, write
+from tests.e2e.conftest import Devcluster, kubectl, kubectl_json, wait_for
+from tests.e2e.operator_harness import (
+    SCRATCH,
+    Operator,
+    apply,
+    events,
+    job_manifest,
+    open_gate,
+    operator_namespace,
+    sigkill_worker,
+    status,
+    step_log,
+    wait_phase,
+)
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+SEED = int(os.environ.get("DTJOB_CHAOS_SEED", "23"))
+ROUNDS = int(os.environ.get("DTJOB_CHAOS_ROUNDS", "1"))
+RESULTS = os.environ.get("DTJOB_CHAOS_RESULTS")
+CHECKPOINT_EVERY = 5
+# A fault's wait for the gang to train again; past it the test fails naming the fault (a stuck job).
+RECOVERY_TIMEOUT = 180.0
+MODEL = ["--layers=2"]
+HEARTBEAT_TIMEOUT = 4  # spec.elastic.heartbeatTimeoutSeconds: a hang or a cut is seen in ~4-5 s
+STRATEGIES = {
+    "ddp": ["--strategy=ddp"],
+    "zero3": ["--strategy=fsdp", "--zero-stage=3"],
+    "pipe": ["--strategy=pipeline", "--pipeline-stages=2", "--microbatches=4"],
+}
+
+
+@dataclass
+class Job:
+    name: str
+    replicas: int
+    args: list[str]
+    scaled: bool = False  # kubectl scale to replicas - 1 and back, mid-run
+    gate: int = 0
+    plan: list[str] = field(default_factory=list)
+
+
+@pytest.fixture(scope="module")
+def op(devcluster: Devcluster) -> Iterator[Operator]:
+    yield from operator_namespace("chaos")
+
+
+class ExitWatch:
+    """`kubectl get pods --watch` in the background: when (this machine's clock, to the watch's
+    latency) each worker's exit was first seen. The first exit after a fault is the gang's own
+    detection: the killed worker itself, or the survivors of a hang or a cut leaving (exit 76)."""
+
+    TEMPLATE = '{.metadata.name}{" "}{.status.containerStatuses[0].state.terminated.exitCode}{"\\n"}'
+
+    def __init__(self, namespace: str) -> None:
+        self.namespace = namespace
+        self.exits: list[tuple[float, str, int]] = []
+        self._stopped = threading.Event()
+        self._proc: subprocess.Popen[str] | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        kubectl_path = str(Binaries.pinned().path("kubectl"))
+        while not self._stopped.is_set():  # a watch the API server ends is started again
+            self._proc = subprocess.Popen(
+                [kubectl_path, "get", "pods", "-n", self.namespace, "--watch",
+                 "-o", f"jsonpath={self.TEMPLATE}"],
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+            )  # fmt: skip
+            assert self._proc.stdout is not None
+            for line in self._proc.stdout:
+                name, _, code = line.strip().partition(" ")
+                if code.lstrip("-").isdigit():
+                    self.exits.append((time.time(), name, int(code)))
+            self._proc.wait()
+
+    def first_exit(self, job: str, after: float) -> tuple[float, int] | None:
+        """(seconds after `after`, exit code) of the job's first worker exit seen since then."""
+        seen = [
+            (t - after, code)
+            for t, name, code in self.exits
+            if t >= after and name.startswith(f"{job}-worker-")
+        ]
+        return min(seen) if seen else None
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self._proc is not None:
+            self._proc.kill()
+
+
+def next_gate(rng: random.Random, after: int) -> int:
+    """A step 4-9 past `after` that is no checkpoint step: at a gate no rank writes a checkpoint,
+    so a checkpoint fault there damages a finished one."""
+    gate = after + rng.randint(4, 9)
+    return gate + 1 if gate % CHECKPOINT_EVERY == 0 else gate
+
+
+def manifest(op: Operator, job: Job, steps: int, gate: int | None) -> dict[str, Any]:
+    size = {"min_replicas": 1, "max_replicas": job.replicas} if job.scaled else {}
+    m = job_manifest(op, job.name, replicas=job.replicas, steps=steps, checkpoint_every=CHECKPOINT_EVERY,
+                     gate=gate, trainer_args=MODEL + job.args, max_restarts=50, **size)  # fmt: skip
+    m["spec"]["elastic"]["heartbeatTimeoutSeconds"] = HEARTBEAT_TIMEOUT
+    return m
+
+
+def generation_of(log: list[dict[str, Any]]) -> int:
+    return max((r["generation"] for r in log), default=0)
+
+
+def restarted(op: Operator, job: str, before: dict[str, Any]) -> bool:
+    st = status(op, job)
+    return int(st.get("restarts") or 0) > int(before.get("restarts") or 0) or int(
+        st.get("generation") or 0
+    ) > int(before.get("generation") or 0)
+
+
+def wait_held(op: Operator, job: Job) -> None:
+    """Until the job's newest gang waits at the job's gate (its last logged step, of the generation
+    the status names): an older gang may have passed the gate before a fault stopped it."""
+
+    def held() -> bool:
+        log = step_log(op, job.name)
+        return (
+            bool(log)
+            and log[-1]["step"] >= job.gate
+            and log[-1]["generation"] == status(op, job.name).get("generation", 0)
+        )
+
+    wait_for(f"{job.name}: its newest gang at step {job.gate}", held, timeout=RECOVERY_TIMEOUT)
+
+
+def inject(op: Operator, job: Job, kind: str, rng: random.Random, watch: ExitWatch) -> Outcome:
+    """Inject one fault into `job` (waiting at its gate), wait until it trains again, count."""
+    wait_held(op, job)
+    before_log = step_log(op, job.name)
+    before_status = status(op, job.name)
+    gen0 = generation_of(before_log)
+    rank = rng.randrange(int(before_status.get("replicas") or job.replicas))
+    held_at = job.gate
+    job.gate = next_gate(rng, job.gate)
+    damaged: int | None = None
+    node: str | None = None
+    if kind in faults.CHECKPOINT_KINDS:
+        damaged = faults.damage_checkpoint(faults.checkpoint_root(op, job.name), kind)
+        t0 = sigkill_worker(op, job.name, rank)
+        open_gate(op, job.name, job.gate)
+    else:
+        open_gate(op, job.name, job.gate)
+        time.sleep(rng.uniform(0.0, 0.4))  # somewhere in the steps the gate just let through
+        if kind == "node":
+            node = faults.node_of(op, job.name, rank)
+        t0 = time.time()
+        if kind in ("sigkill", "operator"):
+            sigkill_worker(op, job.name, rank)
+        elif kind == "sigstop":
+            faults.sigstop_worker(op, job.name, rank)
+        elif kind == "netcut":
+            faults.pod_network(op, faults.pod_name(job.name, rank), up=False)
+        elif kind == "node":
+            assert node is not None
+            faults.stop_node(node)
+    detected: float | None = None
+    again: float | None = None
+    deadline = time.monotonic() + RECOVERY_TIMEOUT
+    try:
+        while again is None:
+            if time.monotonic() > deadline:
+                pytest.fail(
+                    f"{job.name}: not training again {RECOVERY_TIMEOUT:.0f}s after {kind}: "
+                    f"{status(op, job.name)}"
+                )
+            if detected is None and restarted(op, job.name, before_status):
+                detected = time.time() - t0
+                if kind == "operator":  # mid-restart: the gang is being replaced right now
+                    faults.restart_operator(op, down_seconds=rng.uniform(1.0, 3.0))
+            log = step_log(op, job.name)
+            if generation_of(log) > gen0:
+                again = time.time() - t0
+            time.sleep(0.2)
+    finally:
+        if node is not None:
+            faults.start_node(node)
+    log = step_log(op, job.name)
+    new = [r for r in log[len(before_log) :] if r["generation"] > gen0]
+    last_before = max(r["step"] for r in log[: len(log) - len(new)])
+    resumed_from = new[0]["step"] - 1
+    exited = watch.first_exit(job.name, t0)
+    print(f"chaos: {kind} on {job.name} rank {rank} at gate {held_at}: first exit {exited}, "
+          f"restart seen {detected}, training again {again:.1f}s, resumed from {resumed_from} "
+          f"(damaged {damaged})")  # fmt: skip
+    return Outcome(kind, job.name, detected, again, max(0, last_before - resumed_from), resumed_from, damaged,
+                   exited=exited[0] if exited else None, exit_code=exited[1] if exited else None)  # fmt: skip
+
+
+def rescale(op: Operator, job: Job, replicas: int, rng: random.Random) -> Outcome:
+    """kubectl scale just after the job's gate opens, the operator SIGKILLed a moment later
+    (mid-rescale) and started again; waits for the new size training. A planned rescale loses no
+    step. A grow-back waits for a checkpoint newer than the gang's start, so the gate opens past
+    one (6-11 steps always hold a multiple of 5)."""
+    wait_held(op, job)
+    before = step_log(op, job.name)
+    gen0 = generation_of(before)
+    growing = replicas > int(status(op, job.name).get("replicas") or 0)
+    job.gate = next_gate(rng, job.gate + 2)
+    open_gate(op, job.name, job.gate)
+    t0 = time.time()
+    kubectl("scale", f"dtj/{job.name}", "-n", op.namespace, f"--replicas={replicas}", check=True)
+    time.sleep(rng.uniform(0.0, 1.0))
+    faults.restart_operator(op, down_seconds=rng.uniform(1.0, 3.0))
+
+    def training() -> bool:
+        return any(r["generation"] > gen0 and r["world_size"] == replicas for r in step_log(op, job.name))
+
+    wait_for(f"{job.name}: training at {replicas} workers", training, timeout=RECOVERY_TIMEOUT, interval=0.2)
+    again = time.time() - t0
+    log = step_log(op, job.name)
+    new = [r for r in log[len(before) :] if r["generation"] > gen0]
+    last_before = max(r["step"] for r in log[: len(log) - len(new)])
+    resumed_from = new[0]["step"] - 1
+    kind = "scale-up" if growing else "scale-down"
+    print(f"chaos: {kind} of {job.name} to {replicas}, operator killed: training again {again:.1f}s, "
+          f"resumed from {resumed_from} (last step before {last_before})")  # fmt: skip
+    assert resumed_from == last_before, f"{job.name}: a planned {kind} lost steps"
+    return Outcome(kind, job.name, None, again, 0, resumed_from)
+
+
+def assert_sound(job: Job, log: list[dict[str, Any]], steps: int, outcomes: list[Outcome]) -> None:
+    """Rank 0's step log of a finished job: every step up to `steps`, each generation contiguous,
+    no damaged checkpoint loaded, and the same loss whenever a step ran again at one world size."""
+    assert {r["step"] for r in log} == set(range(1, steps + 1)), f"{job.name}: steps missing"
+    assert log[-1]["step"] == steps
+    by_generation: dict[int, list[int]] = {}
+    for r in log:
+        by_generation.setdefault(r["generation"], []).append(r["step"])
+    for generation, seen in by_generation.items():
+        assert seen == list(range(seen[0], seen[-1] + 1)), f"{job.name} generation {generation}: {seen}"
+    for o in outcomes:
+        if o.damaged_step is not None:
+            assert o.resumed_from < o.damaged_step, f"{job.name} loaded the damaged checkpoint: {o}"
+    losses: dict[tuple[int, int], list[float]] = {}
+    for r in log:
+        losses.setdefault((r["step"], r["world_size"]), []).append(float(r["loss"]))
+    for (step, world), values in losses.items():
+        assert max(values) - min(values) <= 1e-5 * abs(values[0]), (
+            f"{job.name} step {step} at world size {world} ran to different losses: {values}"
+        )
+
+
+def assert_nothing_left(op: Operator) -> None:
+    """After deleting every job: no pod, Service or trainer process of this namespace."""
+    kubectl("delete", "dtj", "--all", "-n", op.namespace, "--wait=true", "--timeout=120s", check=True)
+
+    def empty() -> bool:
+        listed = kubectl_json("get", "pods,services", "-n", op.namespace)
+        return not listed["items"]
+
+    wait_for("no pod or Service left", empty, timeout=120)
+    wait_for("no trainer process left", lambda: not namespace_processes(op.namespace), timeout=60)
+
+
+def namespace_processes(namespace: str) -> list[int]:
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if (
+                proc.name.isdigit()
+                and f"DTJOB_NAMESPACE={namespace}".encode() in (proc / "environ").read_bytes()
+            ):
+                found.append(int(proc.name))
+        except OSError:
+            continue
+    return found
+
+
+def test_jobs_under_chaos_succeed_with_every_step_and_their_twins_loss(op: Operator) -> None:
+    started = time.monotonic()
+    rng = random.Random(SEED)
+    jobs = [Job(name, 2, args) for name, args in STRATEGIES.items()]
+    jobs.append(Job("scaled", 3, STRATEGIES["ddp"], scaled=True))
+    kinds = [k for k in faults.KINDS for _ in range(ROUNDS)]
+    rng.shuffle(kinds)
+    for i, kind in enumerate(kinds):
+        jobs[i % len(jobs)].plan.append(kind)
+    scaled = jobs[-1]
+    scaled.plan[len(scaled.plan) // 2 : len(scaled.plan) // 2] = ["scale-down"]
+    scaled.plan.append("scale-up")
+    steps = 20 + 10 * max(len(j.plan) for j in jobs)
+    for j in jobs:
+        if not j.scaled:
+            apply(manifest(op, Job(f"{j.name}-twin", j.replicas, j.args), steps, gate=None))
+        j.gate = next_gate(rng, 2)
+        apply(manifest(op, j, steps, gate=j.gate))
+    # One fault at a time over all jobs, in a seeded order: each fault's times are its own.
+    queue = [(j, kind) for j in jobs for kind in j.plan]
+    order: list[tuple[Job, str]] = []
+    while queue:
+        heads = list(dict.fromkeys(j.name for j, _ in queue))
+        name = rng.choice(heads)
+        item = next(x for x in queue if x[0].name == name)
+        queue.remove(item)
+        order.append(item)
+    outcomes: list[Outcome] = []
+    watch = ExitWatch(op.namespace)
+    try:
+        for job, kind in order:
+            if kind.startswith("scale-"):
+                outcomes.append(
+                    rescale(op, job, job.replicas - 1 if kind == "scale-down" else job.replicas, rng)
+                )
+            else:
+                outcomes.append(inject(op, job, kind, rng, watch))
+    finally:
+        watch.stop()
+    for j in jobs:
+        open_gate(op, j.name, steps)
+    ends: dict[str, dict[str, Any]] = {}
+    for j in jobs:
+        done = wait_phase(op, j.name, "Succeeded", timeout=RECOVERY_TIMEOUT)
+        log = step_log(op, j.name)
+        ends[j.name] = {
+            "phase": done["phase"], "step": done["step"], "restarts": done.get("restarts", 0),
+            "generations": generation_of(log) + 1, "world_sizes": sorted({r["world_size"] for r in log}),
+            "final_loss": log[-1]["loss"], "events": sorted({e["reason"] for e in events(op, j.name)}),
+        }  # fmt: skip
+        assert done["step"] == steps
+        unplanned = [o for o in outcomes if o.job == j.name and not o.kind.startswith("scale-")]
+        assert int(done.get("restarts") or 0) >= len(unplanned), f"{j.name}: a restart not counted: {done}"
+        assert_sound(j, log, steps, [o for o in outcomes if o.job == j.name])
+    for j in jobs:
+        if j.scaled:
+            continue
+        final = ends[j.name]["final_loss"]
+        twin = wait_phase(op, f"{j.name}-twin", "Succeeded", timeout=RECOVERY_TIMEOUT)
+        twin_log = step_log(op, f"{j.name}-twin")
+        assert twin["step"] == steps and twin_log[-1]["step"] == steps
+        ends[j.name]["twin_final_loss"] = twin_log[-1]["loss"]
+        assert ends[j.name]["world_sizes"] == [j.replicas]
+        assert abs(final - twin_log[-1]["loss"]) <= 1e-5 * abs(twin_log[-1]["loss"]), (
+            f"{j.name}: final loss {final} != its fault-free twin's {twin_log[-1]['loss']}"
+        )
+    assert_nothing_left(op)
+    print(markdown(summarize(outcomes)))
+    meta = {"seed": SEED, "rounds": ROUNDS, "steps": steps, "seconds": round(time.monotonic() - started)}
+    write(SCRATCH / "chaos.json", outcomes, ends, meta)
+    if RESULTS:
+        write(Path(RESULTS), outcomes, ends, meta)
