@@ -49,6 +49,12 @@ def steps_in(st: dict[str, Any], generation: int, step: int) -> bool:
     return st.get("generation") == generation and int(st.get("step") or 0) >= step
 
 
+def _event(op: Operator, name: str, reason: str) -> dict[str, Any]:
+    """The job's first event of `reason` (waited for: it may be written after the status)."""
+    wait_for(f"{name}: a {reason} event", lambda: any(e["reason"] == reason for e in events(op, name)))
+    return next(e for e in events(op, name) if e["reason"] == reason)
+
+
 def record(measurement: dict[str, object]) -> None:
     print(json.dumps(measurement))
     with (SCRATCH / "measurements.jsonl").open("a") as out:
@@ -61,16 +67,18 @@ def test_survivors_of_a_lost_peer_restart_the_gang_counted_naming_the_rank(op: O
     manifest["spec"]["elastic"]["heartbeatTimeoutSeconds"] = 4
     apply(manifest)
     wait_phase(op, "lost", "Running")
-    restarted = wait_status(op, "lost", "a counted restart", lambda s: s.get("restarts") == 1, timeout=60)
+    wait_status(op, "lost", "a counted restart", lambda s: s.get("restarts") == 1, timeout=60)
     seen_at = time.monotonic()
-    restarting = condition(restarted, "Restarting")
-    assert restarting["reason"] == "PeerLost", restarting
-    assert (
-        "rank 1 (lost-worker-1) lost: no heartbeat for 4s (lost-worker-0, lost-worker-2 exited 76)"
-        in (restarting["message"])
-    )
-    warning = next(e for e in events(op, "lost") if e["reason"] == "PeerLost")
-    assert warning["type"] == "Warning" and "rank 1 (lost-worker-1) lost" in warning["message"]
+    # The event, not the Restarting condition: the next generation may already run (the
+    # condition then says so) by the time the restart count is seen.
+    warning = _event(op, "lost", "PeerLost")
+    assert warning["type"] == "Warning"
+    # The restart starts at the first survivor's exit 76; the other may exit in the same pass.
+    survivors = ("lost-worker-0", "lost-worker-2", "lost-worker-0, lost-worker-2")
+    assert any(
+        f"rank 1 (lost-worker-1) lost: no heartbeat for 4s ({who} exited 76)" in warning["message"]
+        for who in survivors
+    ), warning
     # rank 1 never exits by itself (as a hung rank): it gets SIGTERM with the short grace
     in_generation_1 = wait_status(op, "lost", "generation 1 running", running_in(1), timeout=60)
     record(
@@ -94,10 +102,9 @@ def test_a_step_that_stops_advancing_restarts_the_gang_counted(op: Operator) -> 
     st = wait_status(op, "stall", "the step seen", lambda s: s.get("step") == 7, timeout=60)
     available = condition(st, "MetricsAvailable")
     assert (available["status"], available["reason"]) == ("True", "StepOnly")
-    restarted = wait_status(op, "stall", "a counted restart", lambda s: s.get("restarts") == 1, timeout=60)
-    restarting = condition(restarted, "Restarting")
-    assert restarting["reason"] == "ProgressDeadlineExceeded", restarting
-    assert "step 7 has not advanced for" in restarting["message"]
+    wait_status(op, "stall", "a counted restart", lambda s: s.get("restarts") == 1, timeout=60)
+    warning = _event(op, "stall", "ProgressDeadlineExceeded")
+    assert "step 7 has not advanced for" in warning["message"], warning
     # Generation 1's step advances one a second: past the deadline's length of running, no
     # second restart (a moving step is progress).
     first = wait_status(op, "stall", "generation 1 stepping", lambda s: steps_in(s, 1, 8), timeout=90)

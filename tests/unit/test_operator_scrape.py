@@ -79,6 +79,21 @@ def test_a_silent_rank_0_is_asked_after_1_2_4_8_8_seconds() -> None:
     assert s.latest(JOB, target) is None
 
 
+def test_a_job_with_a_progress_deadline_is_asked_at_least_every_quarter_of_it() -> None:
+    s, clock, _, asked = scraper([OSError("connection refused")] * 20)
+    target = Target("uid-0", "http://10.244.1.9:9400/metrics")
+    tries = []
+    for half in range(0, 24):
+        clock.now = half / 2
+        before = len(asked)
+        s.latest(JOB, target, progress_deadline=6)
+        if len(asked) > before or s._jobs[JOB].in_flight:
+            assert s.done.acquire(timeout=5)  # type: ignore[attr-defined]
+            tries.append(clock.now)
+    # 1 s, then 1.5 s (6 / 4) instead of 2, 4, 8: a trainer that starts answering is read in time
+    assert tries == [0.0, 1.0, 2.5, 4.0, 5.5, 7.0, 8.5, 10.0, 11.5]
+
+
 def test_a_new_rank_0_starts_with_nothing() -> None:
     s, _clock, _, _ = scraper([TrainerProgress(step=9), OSError("refused")])
     s.latest(JOB, Target("uid-0", "http://a/metrics"))

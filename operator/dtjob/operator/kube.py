@@ -242,7 +242,8 @@ class Kube:
             uid = str((pod.get("metadata") or {}).get("uid") or "")
             if w.phase == "Running" and ip:
                 target = Target(uid, f"http://{ip}:{job.metrics_port}/metrics")
-                return self.scraper.latest((job.namespace, job.name), target)
+                deadline = job.progress_deadline_seconds
+                return self.scraper.latest((job.namespace, job.name), target, deadline)
         return None
 
     def _final_step(self, job: JobView, pod: str) -> TrainerProgress | None:

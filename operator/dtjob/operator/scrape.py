@@ -9,7 +9,10 @@ the one before triggers a pass of the job, so a new step shows without waiting f
 A rank 0 that does not answer (a trainer still importing torch, one that publishes nothing, or a
 simulated pod whose address no host answers) is asked again after 1 s, then 2 s, up to
 `scrape_backoff_max_seconds`: 500 such jobs keep 32 threads busy with at most 32 connects a
-second, whatever the timer, and never a pass.
+second, whatever the timer, and never a pass. A job with `progressDeadlineSeconds` D is asked at
+least every D/4 s even so: a new generation's rank 0 fails its first scrapes while it starts, and
+at the 8 s cap a 6 s deadline ran out before its first step was read (the gang was restarted as
+stalled, again and again).
 
 Results belong to one target: a new generation's rank 0 (another pod uid) starts with nothing.
 """
@@ -70,14 +73,19 @@ class Scraper:
         self._jobs: dict[JobKey, _State] = {}
         self._pool = ThreadPoolExecutor(settings.scrape_workers, thread_name_prefix="scrape")
 
-    def latest(self, job: JobKey, target: Target) -> TrainerProgress | None:
+    def latest(
+        self, job: JobKey, target: Target, progress_deadline: float | None = None
+    ) -> TrainerProgress | None:
         """What `target` last answered (None: nothing yet, or it never answered); schedules a
-        scrape when one is due."""
+        scrape when one is due (at least every progress_deadline / 4 s, when given)."""
         with self._lock:
             state = self._jobs.get(job)
             if state is None or state.target != target:
                 state = self._jobs[job] = _State(target)
-            due = state.last_try + self._wait(state.failures)
+            wait = self._wait(state.failures)
+            if progress_deadline is not None:
+                wait = min(wait, max(self.settings.scrape_interval_seconds, progress_deadline / 4))
+            due = state.last_try + wait
             if not state.in_flight and self._clock() >= due:
                 state.in_flight = True
                 state.last_try = self._clock()
