@@ -244,7 +244,19 @@ def rescale(op: Operator, job: Job, replicas: int, rng: random.Random) -> Outcom
     def training() -> bool:
         return any(r["generation"] > gen0 and r["world_size"] == replicas for r in step_log(op, job.name))
 
-    wait_for(f"{job.name}: training at {replicas} workers", training, timeout=RECOVERY_TIMEOUT, interval=0.2)
+    # A stop that finds the gang waiting at its gate runs one more step (SIGTERM lets it past the
+    # gate) and checkpoints it, so the next gang may resume past the gate and wait there without
+    # a step to show: every 3 s without one, the gate moves a step on.
+    deadline = time.monotonic() + RECOVERY_TIMEOUT
+    nudged = time.monotonic()
+    while not training():
+        if time.monotonic() > deadline:
+            pytest.fail(f"{job.name}: not training at {replicas} workers after {RECOVERY_TIMEOUT:.0f}s")
+        if time.monotonic() - nudged > 3.0:
+            job.gate += 1
+            open_gate(op, job.name, job.gate)
+            nudged = time.monotonic()
+        time.sleep(0.2)
     again = time.time() - t0
     log = step_log(op, job.name)
     new = [r for r in log[len(before) :] if r["generation"] > gen0]
