@@ -4,8 +4,6 @@ the shape checks, and `up --fake-nodes` without Go."""
 from __future__ import annotations
 
 import ipaddress
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,6 +15,7 @@ from dtjob.devcluster.cluster import ClusterConfig
 from dtjob.devcluster.errors import DevclusterError
 from dtjob.devcluster.layout import BRIDGE_ADDRESS, POD_NETWORK, Layout, pod_cidr
 from dtjob.operator.capacity import node_admits
+from tests.unit.test_devcluster import _devcluster
 
 
 def test_simulated_pods_get_ips_inside_the_pod_network_away_from_every_nodelet() -> None:
@@ -74,17 +73,6 @@ def test_the_scheduler_and_controller_manager_may_bind_a_large_gang_quickly(tmp_
     assert f"--kube-api-qps={controlplane.SCHEDULER_QPS}" in scheduler and controlplane.SCHEDULER_QPS >= 500
     manager = controlplane.command("kube-controller-manager", layout, binaries)
     assert f"--kube-api-qps={controlplane.CONTROLLER_MANAGER_QPS}" in manager
-
-
-def _devcluster(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "dtjob.cli", "devcluster", *args],
-        capture_output=True,
-        text=True,
-        env={**os.environ, **env},
-        timeout=60,
-        check=False,
-    )
 
 
 def test_up_with_fake_nodes_without_go_and_without_kwok_says_what_to_install(tmp_path: Path) -> None:
