@@ -39,7 +39,7 @@ def test_no_flags_and_no_environment_give_the_default_settings() -> None:
 def test_each_tuning_flag_sets_its_field() -> None:
     argv = ["-n", "a", "-n", "b", "--standalone", "--liveness", "none", "--max-workers", "3",
             "--grow-hold-seconds", "7", "--unplanned-stop-grace-seconds", "2", "--metrics-grace-seconds", "9",
-            "--cache-sync-timeout-seconds", "12", "--api-concurrency", "8",
+            "--node-view-lag-seconds", "4", "--cache-sync-timeout-seconds", "12", "--api-concurrency", "8",
             "--metrics-timeout-seconds", "0.25", "--scrape-workers", "4", "--scrape-interval-seconds", "2",
             "--scrape-backoff-max-seconds", "16", "--log-tail-lines", "40", "--log-reads-per-pass", "3",
             "--retry-backoff-seconds", "0.5", "--retry-backoff-max-seconds", "8"]  # fmt: skip
@@ -53,6 +53,7 @@ def test_each_tuning_flag_sets_its_field() -> None:
             grow_hold_seconds=7,
             unplanned_stop_grace_seconds=2,
             metrics_grace_seconds=9,
+            node_view_lag_seconds=4,
             workers=WorkerDefaults(service_account="workers"),
         ),
         observer=ObserverSettings(

@@ -241,8 +241,8 @@ def _bound(pod: dict[str, Any], seconds: float) -> dict[str, Any]:
     return pod
 
 
-def test_pod_bound_after_its_node_went_not_ready_is_not_on_a_lost_node() -> None:
-    # the operator's node list is a few seconds old: n2 came back and the scheduler bound to it
+def test_pod_bound_after_its_node_went_not_ready_is_on_a_lost_node_only_once_the_view_caught_up() -> None:
+    # the operator's view of n2 lags: n2 came back a moment ago and the scheduler bound to it
     job = volcano_job(status={**running_status(), "phase": "Pending"})
     stale = make_node("n2", ready=False)
     stale["status"]["conditions"][0]["lastTransitionTime"] = to_rfc3339(at(50))
@@ -250,6 +250,10 @@ def test_pod_bound_after_its_node_went_not_ready_is_not_on_a_lost_node() -> None
     pods = [_bound(make_pod(r, node="n1" if r < 3 else "n2", phase="Pending"), 90) for r in range(4)]
     actions = run(job, pods, nodes, now=91, podgroup=podgroup())
     assert "generation" not in status_patch(actions) and not deletes(actions)
+    # 10 s after the binding (node_view_lag_seconds) the view still says NotReady: the scheduler
+    # bound in the moment before the node's taint, and the node is lost after all
+    patch = status_patch(run(job, pods, nodes, now=100, podgroup=podgroup()))
+    assert condition(patch, "Restarting")["reason"] == "NodeLost"
     # bound before the node was lost: it is lost with it
     pods[3] = _bound(make_pod(3, node="n2"), 40)
     patch = status_patch(run(job, pods, nodes, now=91, podgroup=podgroup()))

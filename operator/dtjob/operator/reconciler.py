@@ -264,12 +264,13 @@ class _Pass:
             return True
         if node_is_ready(node):
             return False
-        # Schedulers bind only to Ready nodes: a pod bound after the NotReady transition seen here
-        # proves the node Ready again since then, and this view of it older than the pod's (the
-        # node list is cached for a few seconds; a gang waiting for a node that comes back is
-        # bound to it within a second).
+        # A pod bound after the NotReady transition seen here: the node came back and this view
+        # lags, until node_view_lag_seconds after the binding; later, the node is lost (a scheduler
+        # binds in the moment between the transition and the node's taint; seen in chaos runs).
         since = _condition_time(node.get("status") or {}, "Ready", value=None)
-        return not (w.scheduled is not None and since is not None and w.scheduled > since)
+        if w.scheduled is None or since is None or w.scheduled <= since:
+            return True
+        return (self.now - w.scheduled).total_seconds() >= self.settings.node_view_lag_seconds
 
     def delete(self, w: Worker, reason: str, grace_seconds: int | None = None) -> None:
         """Delete gracefully (SIGTERM: the trainer checkpoints; grace_seconds None is the pod's

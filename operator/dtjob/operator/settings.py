@@ -42,12 +42,19 @@ class ReconcilerSettings:
     waiting for a checkpoint before planned rescales. 30 s covers the dtjob trainer's start
     (importing torch takes up to ~15 s on a loaded 2-core node)."""
 
+    node_view_lag_seconds: float = 10.0
+    """A pod bound to a node after the NotReady transition in the operator's view of that node is
+    taken as bound to a node that came back (the view lags: a gang waiting for a returning node is
+    bound to it within a second) for this long after its binding; past it, the view would show the
+    node Ready, so the node is lost after all (a scheduler can bind to a node in the moment between
+    its NotReady transition and its NoSchedule taint) and the pod is force-deleted."""
+
     workers: WorkerDefaults = field(default_factory=WorkerDefaults)
     """Site-wide defaults of the worker pods (the chart's `workers.*` values); a job's template
     wins over each of them."""
 
     def __post_init__(self) -> None:
-        _check_positive(self, "grow_hold_seconds", "metrics_grace_seconds")
+        _check_positive(self, "grow_hold_seconds", "metrics_grace_seconds", "node_view_lag_seconds")
         if self.unplanned_stop_grace_seconds < 0:
             raise ValueError(
                 "ReconcilerSettings.unplanned_stop_grace_seconds must be >= 0, "
