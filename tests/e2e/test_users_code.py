@@ -70,19 +70,24 @@ def test_hf_gpt2_script_scales_down_survives_a_kill_and_completes(op: Operator) 
     assert {r["world_size"] for r in log if r["generation"] == 1} == {2}
 
     # Unplanned: a worker killed; the gang restarts (counted) from the checkpoint of step 15.
+    killed = int(status(op, "hf")["generation"])
+    restarts = int(status(op, "hf").get("restarts") or 0)
     sigkill_worker(op, "hf", rank=1, program=b"hf-gpt2/train.py")
-    wait_status(op, "hf", "a restart", lambda s: (s.get("restarts") or 0) >= 1, timeout=120)
+    counted = lambda s: (s.get("restarts") or 0) > restarts  # noqa: E731
+    wait_status(op, "hf", "a restart", counted, timeout=120)
     gate.write_text(str(STEPS))
     st = wait_phase(op, "hf", "Succeeded", timeout=START_TIMEOUT)
     reasons = [(e["reason"], e["message"]) for e in events(op, "hf")]
     # One restart for the kill. In one of five runs on a 2-core machine the new gang was
-    # restarted again 13 s after it was created (cause not found yet): it is printed, not hidden,
+    # restarted again 13 s after it was created (cause not found): it is printed, not hidden,
     # and the job must still finish every step from its checkpoints.
-    assert st["step"] == STEPS and st["restarts"] >= 1, reasons
+    assert st["step"] == STEPS and st["restarts"] > restarts, reasons
     if st["restarts"] > 1:
         print(json.dumps({"measurement": "hf job: restarts beyond the kill's", "events": reasons}))
-    last = step_log(op, "hf")[-1]
-    assert last["step"] == STEPS and last["generation"] == st["generation"]
-    resumed = [r["step"] for r in step_log(op, "hf") if r["generation"] >= 2]
-    assert resumed[0] == 16, "the new gang resumes after the newest checkpoint (step 15)"
-    assert status(op, "hf")["lastCheckpoint"]["step"] == STEPS
+    log = step_log(op, "hf")
+    # the generation that finished is the one that trained the last step: an end taken for a
+    # failure (a rank that aborted at exit) would restart a gang with nothing left to do
+    assert log[-1]["step"] == STEPS and log[-1]["generation"] == st["generation"], (log[-1], reasons)
+    resumed = [r["step"] for r in log if r["generation"] > killed]
+    assert resumed[0] == 16, ("the new gang resumes after the newest checkpoint (step 15)", resumed, reasons)
+    assert status(op, "hf")["lastCheckpoint"]["step"] == STEPS, reasons
