@@ -63,6 +63,8 @@ ENV_HEARTBEAT_TIMEOUT = "DTJOB_HEARTBEAT_TIMEOUT"
 METRIC_STEP = "dtjob_trainer_step"
 METRIC_LAST_CHECKPOINT_STEP = "dtjob_trainer_last_checkpoint_step"
 METRIC_LAST_CHECKPOINT_TIME = "dtjob_trainer_last_checkpoint_timestamp_seconds"
+# Checkpoint writes that failed on the volume since the last one that succeeded (0 after a success).
+METRIC_CHECKPOINT_FAILURES = "dtjob_trainer_checkpoint_write_failures"
 METRIC_WORLD_SIZE = "dtjob_trainer_world_size"
 METRIC_GENERATION = "dtjob_trainer_generation"
 

@@ -1,6 +1,7 @@
 """Checkpoints on disk, written by a real 2-process gang: retention keeps exactly K, and a truncated,
 a flipped-byte and a manifest-less checkpoint are each skipped for the previous valid one (by a
-1-process run, which also reads the 2-process shards back at another world size)."""
+1-process run, which also reads the 2-process shards back at another world size); a checkpoint
+the volume refuses costs only itself."""
 
 from __future__ import annotations
 
@@ -11,7 +12,15 @@ from pathlib import Path
 import pytest
 
 from dtjob.trainer import checkpoint as ckpt
-from tests.trainer.runtime_gang import TINY_GPT, checkpoint_steps, run
+from tests.trainer.runtime_gang import (
+    TINY_GPT,
+    checkpoint_steps,
+    free_port_run,
+    launch,
+    run,
+    scrape,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -64,3 +73,40 @@ def test_retention_and_fallback_past_damaged_checkpoints(tmp_path: Path) -> None
     assert checkpoint_steps(root) == [6, 8, 10]
     for step in (6, 8, 10):
         ckpt.verify(root / ckpt.step_dir_name(step))  # the damaged ones were rewritten whole
+
+
+def test_a_checkpoint_the_volume_refuses_costs_only_itself(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    gate = tmp_path / "gate"
+    gate.write_text("4")
+    port = free_port_run(2)
+    args = [*ARGS, "--steps", "12", "--checkpoint-dir", str(root), "--metrics-port", str(port)]
+    gang = launch(2, args, tmp_path, "full", env={"DTJOB_STEP_GATE": str(gate)})
+    try:
+        wait_for(lambda: [s["step"] for s in gang.steps()][-1:] == [4], "the gang held at step 4")
+        # Rank 1's file of step 6 goes to the kernel's full device: ENOSPC, as on a full volume.
+        staging = root / ".staging-step-00000006-g0"
+        staging.mkdir()
+        (staging / "rank-00001.pt.tmp").symlink_to("/dev/full")
+        gate.write_text("7")
+        seen: dict[str, float] = {}
+
+        def past_step_6() -> bool:
+            seen.update(scrape(port) or {})
+            return seen.get("dtjob_trainer_step", 0) >= 7
+
+        wait_for(past_step_6, "rank 0 at step 7")
+        assert seen["dtjob_trainer_checkpoint_write_failures"] == 1
+        assert seen["dtjob_trainer_last_checkpoint_step"] == 4, "the newest checkpoint stays step 4"
+        gate.write_text("12")
+        codes = gang.wait()
+    finally:
+        gang.kill()
+    assert codes == [0, 0], gang.stderr()
+    assert [s["step"] for s in gang.steps()] == list(range(1, 13)), "no step lost or repeated"
+    assert checkpoint_steps(root) == [8, 10, 12]
+    assert not [p.name for p in root.iterdir() if p.name.startswith(".")], "nothing of the attempt left"
+    warning = "checkpoint of step 6 not written (1 in a row), training goes on (newest checkpoint: step 4)"
+    for rank in (0, 1):
+        assert warning in gang.stderr(rank), gang.stderr(rank)
+    assert "rank 1: OSError: [Errno 28] No space left on device" in gang.stderr(0)

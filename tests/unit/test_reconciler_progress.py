@@ -233,3 +233,25 @@ def test_a_suspended_job_and_an_invalid_one_say_what_they_wait_for() -> None:
                                                "4 workers still stopping")  # fmt: skip
     invalid = run(make_job(replicas=4, max_replicas=3), [], two_nodes())
     assert waiting(invalid) == ("InvalidSpec", "waiting for the spec to be fixed (see condition Valid)")
+
+
+def test_checkpoint_writes_the_volume_refuses_show_on_the_job_until_one_is_written() -> None:
+    job = make_job(status=running_status())
+    refused = TrainerProgress(step=12, checkpoint_step=10, checkpoint_time=at(90).timestamp(),
+                              checkpoints_published=True, checkpoint_failures=2)  # fmt: skip
+    actions = run(job, gang(4), two_nodes(), progress=refused)
+    failing = condition(actions, "CheckpointWriteFailing")
+    assert failing is not None and failing["status"] == "True" and failing["reason"] == "VolumeRefused"
+    assert "2 checkpoint writes in a row refused" in failing["message"]
+    assert "resume from step 10" in failing["message"]
+    assert [(e.type, e.reason) for e in events(actions)] == [("Warning", "CheckpointWriteFailed")]
+    assert run(applied(job, actions), gang(4), two_nodes(), progress=refused) == [], "said once"
+    written = TrainerProgress(step=14, checkpoint_step=14, checkpoint_time=at(99).timestamp(),
+                              checkpoints_published=True, checkpoint_failures=0)  # fmt: skip
+    later = run(applied(job, actions), gang(4), two_nodes(), progress=written)
+    recovered = condition(later, "CheckpointWriteFailing")
+    assert recovered is not None and recovered["status"] == "False"
+    assert "newest: step 14" in recovered["message"]
+    assert [e.reason for e in events(later)] == ["CheckpointWriteRecovered"]
+    quiet = run(job, gang(4), two_nodes(), progress=written)
+    assert condition(quiet, "CheckpointWriteFailing") is None, "no condition for a job that never failed one"

@@ -18,6 +18,12 @@ def test_trainer_gauges_are_read_from_exposition_text() -> None:
     assert parse_trainer_metrics(EXPOSITION) == TrainerProgress(42, 40, 1.7e9, checkpoints_published=True)
 
 
+def test_refused_checkpoint_writes_are_read_and_absent_means_not_reported() -> None:
+    text = EXPOSITION + "dtjob_trainer_checkpoint_write_failures 2.0\n"
+    assert parse_trainer_metrics(text).checkpoint_failures == 2
+    assert parse_trainer_metrics(EXPOSITION).checkpoint_failures is None
+
+
 def test_no_checkpoint_yet_reads_as_none() -> None:
     text = "dtjob_trainer_step 3\ndtjob_trainer_last_checkpoint_step -1\n"
     assert parse_trainer_metrics(text) == TrainerProgress(3, None, None, checkpoints_published=True)

@@ -52,6 +52,7 @@ TRAINER_GAUGES = {
     contract.METRIC_STEP: "step",
     contract.METRIC_LAST_CHECKPOINT_STEP: "checkpoint_step",
     contract.METRIC_LAST_CHECKPOINT_TIME: "checkpoint_time",
+    contract.METRIC_CHECKPOINT_FAILURES: "checkpoint_failures",
 }
 
 
@@ -88,6 +89,7 @@ def parse_trainer_metrics(text: str) -> TrainerProgress:
         checkpoint_step=None if checkpoint_step is None or checkpoint_step < 0 else int(checkpoint_step),
         checkpoint_time=values.get("checkpoint_time") or None,
         checkpoints_published=checkpoint_step is not None,
+        checkpoint_failures=int(values["checkpoint_failures"]) if "checkpoint_failures" in values else None,
     )
 
 

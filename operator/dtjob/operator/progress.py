@@ -38,6 +38,8 @@ class TrainerProgress:
     checkpoint_time: float | None = None  # unix seconds
     # The endpoint has the last-checkpoint gauge (even before a first checkpoint, at 0 or -1).
     checkpoints_published: bool = False
+    # Periodic checkpoint writes the volume refused since the last one that succeeded.
+    checkpoint_failures: int | None = None
 
 
 @dataclass(frozen=True)

@@ -73,6 +73,7 @@ from dtjob.operator.settings import ReconcilerSettings
 
 PENDING, RUNNING, RESTARTING = "Pending", "Running", "Restarting"
 SUCCEEDED, FAILED, SUSPENDED = "Succeeded", "Failed", "Suspended"
+CHECKPOINT_WRITE_FAILING = "CheckpointWriteFailing"
 FINISHED = {SUCCEEDED, FAILED}
 # Restart reasons that are failures (not planned rescales): time to recover is measured for these.
 FAILURE_REASONS = {
@@ -756,6 +757,30 @@ def _read_metrics(p: _Pass) -> None:
     if progress.checkpoint_step and progress.checkpoint_time:
         moment = datetime.fromtimestamp(progress.checkpoint_time, UTC)
         p.status["lastCheckpoint"] = {"step": progress.checkpoint_step, "time": to_rfc3339(moment)}
+    if progress.checkpoint_failures is not None:
+        _track_checkpoint_writes(p, progress.checkpoint_failures)
+
+
+def _track_checkpoint_writes(p: _Pass, failures: int) -> None:
+    """Condition CheckpointWriteFailing: rank 0's periodic checkpoints refused by the volume in a
+    row (the trainer trains on without them, so nothing else on the job would show it)."""
+    failing = (p.condition(CHECKPOINT_WRITE_FAILING) or {}).get("status") == "True"
+    if failures > 0:
+        newest = (p.status.get("lastCheckpoint") or {}).get("step")
+        resume = f"step {newest}" if newest else "the start"
+        message = (
+            f"rank 0 reports {failures} checkpoint writes in a row refused by the checkpoint volume "
+            f"(full, read-only or failing; the workers' logs name the error): the gang trains on, "
+            f"and a restart now would resume from {resume}"
+        )
+        if not failing:
+            p.event("CheckpointWriteFailed", message, warning=True)
+        p.set_condition(CHECKPOINT_WRITE_FAILING, True, "VolumeRefused", message)
+    elif failing:
+        newest = (p.status.get("lastCheckpoint") or {}).get("step")
+        message = f"rank 0 reports no checkpoint write refused since its last one (newest: step {newest})"
+        p.event("CheckpointWriteRecovered", message)
+        p.set_condition(CHECKPOINT_WRITE_FAILING, False, "NoRefusedWrites", message)
 
 
 def _running_gang(p: _Pass, current: Sequence[Worker], size: int) -> datetime | None:

@@ -32,7 +32,9 @@ and the next older checkpoint is tried.
 Writing is atomic: ranks write into `.staging-step-<step>-g<generation>/`, exchange their files'
 indexes and checksums, then rank 0 writes the manifest, fsyncs, and renames the staging directory
 to `step-<step>/`; only after that rename does any rank return. Then rank 0 keeps the newest
-`--keep-checkpoints` step directories that have a manifest and deletes every other one.
+`--keep-checkpoints` step directories that have a manifest and deletes every other one. A write
+that fails on any rank (a full volume: ENOSPC) fails on every rank, and rank 0 removes its staging
+directory: the newest published checkpoint stays the newest.
 
 Loading at any world size: rank 0 picks the newest valid checkpoint and broadcasts its manifest;
 each rank then asks a `FetchRange` for the global ranges its own shards need, and the reader
@@ -82,6 +84,16 @@ class CheckpointError(Exception):
     """A checkpoint could not be written, or a valid one does not fit this run."""
 
 
+class CheckpointWriteError(CheckpointError):
+    """Writing a checkpoint failed on some rank; every rank raises it, and nothing of the attempt
+    is left on disk. `volume`: the failure was the file system's (OSError: a full, read-only or
+    failing volume), so the run itself is sound and may go on without this checkpoint."""
+
+    def __init__(self, message: str, volume: bool) -> None:
+        super().__init__(message)
+        self.volume = volume
+
+
 def step_dir_name(step: int) -> str:
     return f"step-{step:08d}"
 
@@ -126,6 +138,13 @@ def _write_durably(path: Path, write: Callable[[Path], object]) -> None:
 
 
 # --- one rank's file -------------------------------------------------------------------------
+
+
+def _save_to(payload: Mapping[str, Any], path: Path) -> None:
+    # Through a Python file: torch.save given a path reports a full volume as a RuntimeError
+    # ("unexpected pos 704 vs 598"), given a file as the OSError it is (ENOSPC).
+    with path.open("wb") as fh:
+        torch.save(dict(payload), fh)
 
 
 @dataclass
@@ -185,7 +204,7 @@ def write_rank_file(
     if global_state is not None:
         payload["global_state"] = dict(global_state)
     path = directory / rank_file_name(rank)
-    _write_durably(path, lambda p: torch.save(payload, p))
+    _write_durably(path, lambda p: _save_to(payload, p))
     index = {
         key: (s.offset, int(s.local.numel()), list(s.global_shape), _dtype_name(s.dtype))
         for key, s in shards.items()
@@ -414,17 +433,25 @@ class Checkpointer:
         self.group = group
 
     def save(self, step: int, state: TrainState, meta: Mapping[str, Any]) -> Path:
-        """Write the checkpoint of `step`; returns its directory once it is published."""
+        """Write the checkpoint of `step`; returns its directory once it is published. A write that
+        fails on any rank raises `CheckpointWriteError` on every rank, its staging directory gone."""
         staging = self.root / f"{_STAGING_PREFIX}{step_dir_name(step)}-g{self.generation}"
-        staging.mkdir(parents=True, exist_ok=True)
         shared = state.global_state() if self.rank == 0 else None
-        info = write_rank_file(staging, self.rank, state.state_shards(), rng_state(), shared)
+        info: RankFileInfo | str
+        try:
+            staging.mkdir(parents=True, exist_ok=True)
+            info = write_rank_file(staging, self.rank, state.state_shards(), rng_state(), shared)
+        except OSError as err:  # told to every rank below: none may wait for this one's file
+            info = f"rank {self.rank}: {type(err).__name__}: {err}"
         infos: list[Any] = [None] * self.world_size
-        # Doubles as the barrier: every rank's file is on disk.
+        # Doubles as the barrier: every rank's file is on disk (or its write failed).
         dist.all_gather_object(infos, info, group=self.group)
         final = self.root / step_dir_name(step)
+        failed = [i for i in infos if isinstance(i, str)]
         outcome: list[Any] = [None]
-        if self.rank == 0:
+        if self.rank == 0 and failed:
+            outcome[0] = ("; ".join(failed), True)
+        elif self.rank == 0:
             try:
                 full_meta = {
                     **meta,
@@ -434,9 +461,9 @@ class Checkpointer:
                     "time": time.time(),
                     "extra_state": state.extra_state(),
                 }
-                for info in infos:
-                    written = staging / info.name
-                    if not written.is_file() or written.stat().st_size != info.bytes:
+                for each in infos:
+                    written = staging / each.name
+                    if not written.is_file() or written.stat().st_size != each.bytes:
                         raise CheckpointError(
                             f"{written} is not visible from rank 0: --checkpoint-dir must be one directory "
                             "shared by every worker (e.g. a ReadWriteMany volume)"
@@ -448,10 +475,13 @@ class Checkpointer:
                 for gone in apply_retention(self.root, self.keep):
                     log.info("deleted old checkpoint %s (keeping the newest %d)", gone, self.keep)
             except Exception as err:
-                outcome[0] = f"{type(err).__name__}: {err}"
+                outcome[0] = (f"rank 0: {type(err).__name__}: {err}", isinstance(err, OSError))
+        if self.rank == 0 and outcome[0] is not None:
+            shutil.rmtree(staging, ignore_errors=True)  # a full volume gets the attempt's space back
         dist.broadcast_object_list(outcome, src=0, group=self.group)
         if outcome[0] is not None:
-            raise CheckpointError(f"writing checkpoint {final} failed on rank 0: {outcome[0]}")
+            why, volume = outcome[0]
+            raise CheckpointWriteError(f"writing checkpoint {final} failed: {why}", volume)
         return final
 
     def load_latest(

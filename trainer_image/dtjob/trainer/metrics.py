@@ -69,6 +69,11 @@ class TrainerMetrics:
             registry=r,
         )
         self.checkpoints_saved = Counter("dtjob_trainer_checkpoints_saved", "checkpoints written", registry=r)
+        self.checkpoint_write_failures = Gauge(
+            contract.METRIC_CHECKPOINT_FAILURES,
+            "checkpoint writes that failed on the volume since the last one that succeeded",
+            registry=r,
+        )
         labels = ("op", "algorithm")
         self.collective_bytes = Counter(
             "dtjob_trainer_collective_bytes",

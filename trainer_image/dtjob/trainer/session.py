@@ -41,7 +41,7 @@ from torch import nn
 
 from dtjob import contract
 from dtjob.trainer import elastic, heartbeat
-from dtjob.trainer.checkpoint import Checkpointer, Loaded
+from dtjob.trainer.checkpoint import Checkpointer, CheckpointWriteError, Loaded
 from dtjob.trainer.comm_metrics import instrument_comm
 from dtjob.trainer.data import GlobalBatchSampler
 from dtjob.trainer.device import backend_for, resolve_device
@@ -177,6 +177,7 @@ class ElasticSession:
         self._resumed = False
         self._step_started = time.perf_counter()
         self.last_saved_step = -1
+        self._failed_saves = 0  # periodic checkpoints in a row the volume refused
         self.last_saved_time = 0.0
         self._out: TextIO = sys.stdout
         if log_file and g.rank == 0:
@@ -316,8 +317,10 @@ class ElasticSession:
             yield step
             stopping = elastic.agree(self.stop.requested)
             due = self.checkpoint_every > 0 and step % self.checkpoint_every == 0
-            if stopping or step == total or due:
+            if stopping or step == total:
                 self.save(step)
+            elif due:
+                self._save_or_go_on(step)
             if stopping:
                 if self.checkpointer is None:
                     log.warning("stopping at step %d without a checkpoint: no checkpoint_dir", step)
@@ -391,12 +394,36 @@ class ElasticSession:
         self.last_saved_step = step
         self.last_saved_time = time.time()
         m = self.metrics
+        self._failed_saves = 0
+        m.checkpoint_write_failures.set(0)
         m.checkpoint_save_seconds.set(seconds)
         m.last_checkpoint_step.set(step)
         m.last_checkpoint_timestamp.set(self.last_saved_time)
         m.checkpoints_saved.inc()
         log.info("checkpoint %s written in %.2fs", path, seconds)
         return path
+
+    def _save_or_go_on(self, step: int) -> None:
+        """A periodic checkpoint that the volume refused (full, read-only, failing) costs only
+        itself: the gang trains on from the newest checkpoint and tries again when the next one
+        is due, and the operator shows the failures on the job (METRIC_CHECKPOINT_FAILURES). The
+        last step's and a stop's checkpoints must be written: their failure ends the run."""
+        try:
+            self.save(step)
+        except CheckpointWriteError as err:
+            if not err.volume:
+                raise
+            self._failed_saves += 1
+            self.metrics.checkpoint_write_failures.set(self._failed_saves)
+            newest = f"step {self.last_saved_step}" if self.last_saved_step > 0 else "none yet"
+            log.warning(
+                "checkpoint of step %d not written (%d in a row), training goes on (newest checkpoint: "
+                "%s): %s",
+                step,
+                self._failed_saves,
+                newest,
+                err,
+            )
 
     def _finish_heartbeat(self) -> None:
         if self.heartbeat is not None:
