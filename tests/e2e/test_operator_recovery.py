@@ -1,4 +1,5 @@
-"""Operator e2e on the devcluster: unplanned failures (a SIGKILLed worker, a killed operator)."""
+"""Operator e2e on the devcluster: unplanned failures (a SIGKILLed worker, a killed operator, a
+checkpoint the volume refuses)."""
 
 from __future__ import annotations
 
@@ -110,3 +111,26 @@ def test_operator_killed_during_a_gang_restart_converges_without_duplicates(op: 
         assert pod["metadata"]["labels"]["training.dtjob.io/generation"] == "1"
         assert pod["metadata"]["ownerReferences"][0]["name"] == "crash"
     assert condition(done, "Succeeded")["status"] == "True"
+
+
+def test_a_checkpoint_the_volume_refuses_shows_on_the_job_and_costs_no_restart(op: Operator) -> None:
+    steps = 12
+    apply(job_manifest(op, "full", replicas=2, steps=steps, checkpoint_every=3, gate=4))
+    wait_step(op, "full", 4)
+    # Rank 1's file of step 6 goes to the kernel's full device: ENOSPC, as on a full volume.
+    staging = SCRATCH / op.namespace / "full" / "checkpoints" / ".staging-step-00000006-g0"
+    staging.mkdir()
+    (staging / "rank-00001.pt.tmp").symlink_to("/dev/full")
+    open_gate(op, "full", 7)
+    failing = lambda s: condition(s, "CheckpointWriteFailing").get("status") == "True"  # noqa: E731
+    st = wait_status(op, "full", "condition CheckpointWriteFailing", failing)
+    assert "1 checkpoint writes in a row refused" in condition(st, "CheckpointWriteFailing")["message"]
+    assert "resume from step 3" in condition(st, "CheckpointWriteFailing")["message"]
+    assert "CheckpointWriteFailed" in [e["reason"] for e in events(op, "full")]
+    assert not staging.exists(), "rank 0 removed the failed attempt"
+
+    open_gate(op, "full", steps)
+    done = wait_phase(op, "full", "Succeeded")
+    assert (done["generation"], done["restarts"], done["step"]) == (0, 0, steps), done
+    assert condition(done, "CheckpointWriteFailing")["status"] == "False", "step 9's checkpoint was written"
+    assert [r["step"] for r in step_log(op, "full")] == list(range(1, steps + 1))

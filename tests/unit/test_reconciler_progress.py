@@ -255,3 +255,8 @@ def test_checkpoint_writes_the_volume_refuses_show_on_the_job_until_one_is_writt
     assert [e.reason for e in events(later)] == ["CheckpointWriteRecovered"]
     quiet = run(job, gang(4), two_nodes(), progress=written)
     assert condition(quiet, "CheckpointWriteFailing") is None, "no condition for a job that never failed one"
+    # the gang finished before a scrape saw the next checkpoint: its last one was written
+    finished = run(applied(job, actions), gang(4, phase="Succeeded", exit_code=0), two_nodes())
+    cleared = condition(finished, "CheckpointWriteFailing")
+    assert status_patch(finished)["phase"] == "Succeeded"
+    assert cleared is not None and cleared["status"] == "False"

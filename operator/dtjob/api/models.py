@@ -264,7 +264,8 @@ class Condition(ApiModel):
     type: str = Field(
         description="Condition type: Created, Running, Restarting, Suspended, Succeeded, Failed "
         "(the phases); Valid (the spec passes every rule), Schedulable (the workers fit), "
-        "MetricsAvailable (what the trainer publishes), CheckpointWriteFailing (rank 0's periodic checkpoints refused by the volume), Waiting (what the operator waits for), "
+        "MetricsAvailable (what the trainer publishes), CheckpointWriteFailing (rank 0's periodic "
+        "checkpoints refused by the volume), Waiting (what the operator waits for), "
         "Reconciled (the operator's last pass went through)."
     )
     status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
