@@ -1,9 +1,11 @@
 """Operator e2e on the devcluster: unplanned failures (a SIGKILLed worker, a killed operator, a
-checkpoint the volume refuses)."""
+checkpoint the volume refuses, etcd and the API server restarting)."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 
@@ -134,3 +136,30 @@ def test_a_checkpoint_the_volume_refuses_shows_on_the_job_and_costs_no_restart(o
     assert (done["generation"], done["restarts"], done["step"]) == (0, 0, steps), done
     assert condition(done, "CheckpointWriteFailing")["status"] == "False", "step 9's checkpoint was written"
     assert [r["step"] for r in step_log(op, "full")] == list(range(1, steps + 1))
+
+
+def restart_component(component: str, down_seconds: float) -> None:
+    """`dtjob devcluster restart COMPONENT --down S`: SIGKILLed, down S seconds, started again."""
+    done = subprocess.run(
+        [sys.executable, "-m", "dtjob.cli", "devcluster", "restart", component, f"--down={down_seconds}"],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+
+
+def test_etcd_and_the_api_server_restarting_mid_job_cost_no_restart(op: Operator) -> None:
+    """A control plane that goes away is not a failure of the job: the gang trains on without it
+    (held at its gate while etcd is down, training while the API server is), and the operator,
+    its watches broken and listed again, neither restarts the gang nor makes a second one."""
+    steps = 20
+    apply(job_manifest(op, "cp", replicas=2, steps=steps, checkpoint_every=5, gate=6))
+    wait_step(op, "cp", 6)
+    restart_component("etcd", down_seconds=3)
+    open_gate(op, "cp", 12)
+    restart_component("kube-apiserver", down_seconds=3)
+    wait_step(op, "cp", 12)
+    open_gate(op, "cp", steps)
+    done = wait_phase(op, "cp", "Succeeded")
+    assert (done["generation"], done["restarts"], done["step"]) == (0, 0, steps), events(op, "cp")
+    assert [r["step"] for r in step_log(op, "cp")] == list(range(1, steps + 1))
+    assert sorted(p["metadata"]["name"] for p in pods(op, "cp")) == ["cp-worker-0", "cp-worker-1"]

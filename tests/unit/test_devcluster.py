@@ -130,6 +130,14 @@ def test_net_command_without_a_cluster_says_how_to_start_one(tmp_path: Path) -> 
     assert "no cluster is running" in result.stderr and "dtjob devcluster up" in result.stderr
 
 
+def test_restart_command_names_the_components_and_needs_a_cluster(tmp_path: Path) -> None:
+    result = _devcluster("restart", "kubelet")
+    assert result.returncode == 2 and "'etcd', 'kube-apiserver'" in result.stderr
+    result = _devcluster("restart", "etcd", "--down=1", DTJOB_DEVCLUSTER_DIR=str(tmp_path / "dc"))
+    assert result.returncode == 1
+    assert "no cluster is running" in result.stderr and "dtjob devcluster up" in result.stderr
+
+
 def test_net_command_takes_only_down_or_up() -> None:
     result = _devcluster("net", "sideways", "job-worker-1")
     assert result.returncode == 2

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from dtjob.devcluster import cluster
 from dtjob.devcluster.errors import DevclusterError
-from dtjob.devcluster.layout import Layout, node_index
+from dtjob.devcluster.layout import CONTROL_PLANE, Layout, node_index
 
 # Kubernetes quantities the nodelet advertises as capacity: cpus like 4 or 500m, memory like 8Gi.
 CPU_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?m?$")
@@ -90,6 +90,12 @@ def parser() -> argparse.ArgumentParser:
     net.add_argument("action", choices=["down", "up"])
     net.add_argument("pod", help="pod name")
     net.add_argument("-n", "--namespace", default="default", help="the pod's namespace (default: default)")
+    restart = sub.add_parser(
+        "restart", help="simulate a control-plane failure: SIGKILL one component, start it again"
+    )
+    restart.add_argument("component", choices=CONTROL_PLANE)
+    restart.add_argument("--down", type=float, default=0.0, metavar="SECONDS",
+                         help="how long it stays down (default 0)")  # fmt: skip
     return p
 
 
@@ -114,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
             return cluster.status(layout)
         if args.command == "env":
             return cluster.env(layout)
+        if args.command == "restart":
+            return cluster.restart(layout, args.component, args.down)
         if args.command == "net":
             return cluster.pod_network(layout, args.namespace, args.pod, up=args.action == "up")
         if args.action == "stop":

@@ -430,6 +430,30 @@ def _known_node(layout: Layout, name: str) -> ClusterConfig:
     return config
 
 
+def restart(layout: Layout, component: str, down_seconds: float = 0.0) -> int:
+    """Control-plane failure: SIGKILL one component (etcd, the API server, ...), leave it down
+    `down_seconds`, start it again with the same command and data, wait until it is healthy."""
+    with locked(layout):
+        if not is_up(layout) or load_config(layout) is None:
+            raise DevclusterError(
+                f"no cluster is running in {layout.root}; start one with `dtjob devcluster up`"
+            )
+        if component not in CONTROL_PLANE:
+            known = ", ".join(CONTROL_PLANE)
+            raise DevclusterError(f"no component {component!r}; the control plane is {known}")
+        pid = component_pid(layout, component)
+        if pid is not None:
+            processes.kill(pid)
+        layout.pid_file(component).unlink(missing_ok=True)
+        time.sleep(down_seconds)
+        argv = controlplane.command(component, layout, Binaries.pinned())
+        pid = processes.start(argv, layout.log(component), layout.pid_file(component))
+        healthy = functools.partial(controlplane.healthy, component, layout)
+        _wait(component, healthy, COMPONENT_TIMEOUT, pid, layout.log(component))
+    print(f"devcluster: restarted {component} after {down_seconds:g}s down")
+    return 0
+
+
 def node_stop(layout: Layout, name: str) -> int:
     with locked(layout):
         _known_node(layout, name)
