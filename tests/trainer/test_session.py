@@ -34,12 +34,18 @@ def test_sigterm_exits_75_and_a_resume_at_another_world_size_continues_the_traje
 
     checkpoints = tmp_path / "ckpt"
     env = {"DTJOB_CHECKPOINT_DIR": str(checkpoints)}
-    first = launch(2, args, tmp_path, "first", env=env, command=SCRIPT)
+    # Held at step 6 by the step gate (24 steps take under a second: a SIGTERM sent after six
+    # were seen once arrived when all were done). Rank 1 told goes on to step 7 at once, rank 0
+    # once the gate opens; after it every rank stops.
+    gate = tmp_path / "gate"
+    gate.write_text("6")
+    first = launch(2, args, tmp_path, "first", env={**env, "DTJOB_STEP_GATE": str(gate)}, command=SCRIPT)
     wait_for(lambda: len(first.steps()) >= 6, "six steps")
     first.signal(1, signal.SIGTERM)  # one rank told; every rank stops after the same step
+    gate.write_text(str(STEPS))
     assert first.wait() == [75, 75], first.stderr()
     [stopped_at] = checkpoint_steps(checkpoints)
-    assert 6 <= stopped_at < STEPS
+    assert stopped_at == 7
     manifest = json.loads((checkpoints / f"step-{stopped_at:08d}" / "manifest.json").read_text())
     assert manifest["world_size"] == 2 and sorted(manifest["files"]) == ["rank-00000.pt", "rank-00001.pt"]
 
