@@ -405,8 +405,9 @@ class ElasticSession:
 
     def _save_or_go_on(self, step: int) -> None:
         """A periodic checkpoint that the volume refused (full, read-only, failing) costs only
-        itself: the gang trains on from the newest checkpoint and tries again when the next one
-        is due, and the operator shows the failures on the job (METRIC_CHECKPOINT_FAILURES). The
+        itself: the gang trains on (a restart would resume from the newest checkpoint) and tries
+        again when the next one is due, and the operator shows the failures on the job
+        (METRIC_CHECKPOINT_FAILURES). The
         last step's and a stop's checkpoints must be written: their failure ends the run."""
         try:
             self.save(step)
