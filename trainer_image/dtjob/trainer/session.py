@@ -407,8 +407,8 @@ class ElasticSession:
         """A periodic checkpoint that the volume refused (full, read-only, failing) costs only
         itself: the gang trains on (a restart would resume from the newest checkpoint) and tries
         again when the next one is due, and the operator shows the failures on the job
-        (METRIC_CHECKPOINT_FAILURES). The
-        last step's and a stop's checkpoints must be written: their failure ends the run."""
+        (METRIC_CHECKPOINT_FAILURES). The last step's and a stop's checkpoints must be written:
+        their failure ends the run."""
         try:
             self.save(step)
         except CheckpointWriteError as err:
