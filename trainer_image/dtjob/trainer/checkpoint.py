@@ -140,11 +140,11 @@ def _write_durably(path: Path, write: Callable[[Path], object]) -> None:
 # --- one rank's file -------------------------------------------------------------------------
 
 
-def _save_to(payload: Mapping[str, Any], path: Path) -> None:
+def _save_to(payload: dict[str, Any], path: Path) -> None:
     # Through a Python file: torch.save given a path reports a full volume as a RuntimeError
     # ("unexpected pos 704 vs 598"), given a file as the OSError it is (ENOSPC).
     with path.open("wb") as fh:
-        torch.save(dict(payload), fh)
+        torch.save(payload, fh)
 
 
 @dataclass
