@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from dtjob.operator.coalescer import Coalescer
+from dtjob.operator.coalescer import Coalescer, Later
 
 
 class HookLock:
@@ -136,3 +136,21 @@ def test_an_exception_leaves_the_key_free_for_the_next_trigger() -> None:
         coalescer.trigger("a")
     coalescer.trigger("a")
     assert calls == 2
+
+
+def test_later_runs_each_call_after_its_delay_in_deadline_order() -> None:
+    later = Later("test-later")
+    start = time.monotonic()
+    ran: list[tuple[str, float]] = []
+    done = threading.Event()
+
+    def record(name: str) -> None:
+        ran.append((name, time.monotonic() - start))
+
+    later.call(0.3, lambda: (record("late"), done.set()))
+    later.call(0.1, lambda: record("early"))
+    later.call(0.1, lambda: 1 / 0)  # a call that fails does not stop the ones after it
+    later.call(0.1, lambda: record("early-too"))
+    assert done.wait(10)
+    assert [name for name, _ in ran] == ["early", "early-too", "late"]
+    assert ran[0][1] >= 0.1 and ran[2][1] >= 0.3, "never before its delay"

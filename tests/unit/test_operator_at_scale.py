@@ -1,15 +1,21 @@
 """What the operator does differently at scale, without a cluster: capacity counts only nodes the
-scheduler would use, a failing 1,024-worker gang is one short message, and the watches trigger
-passes only for jobs kopf handed to this operator (a paused peer acts on none)."""
+scheduler would use, a failing 1,024-worker gang is one short message, the watches trigger
+passes only for jobs kopf handed to this operator (a paused peer acts on none) and a burst of
+changes is one pass, and a pass that read an old version of its job decides again."""
 
 from __future__ import annotations
 
 import threading
+import time
+from datetime import UTC, datetime
 from typing import Any
 
+from dtjob.operator.actions import PatchStatus
 from dtjob.operator.capacity import node_admits, workers_that_fit
+from dtjob.operator.kube import JobChanged
 from dtjob.operator.metrics import OperatorMetrics
 from dtjob.operator.passes import JobPassRunner
+from dtjob.operator.reconciler import Observed
 from dtjob.operator.settings import OperatorSettings
 from tests.unit.reconciler_fixtures import (
     events,
@@ -131,3 +137,51 @@ def test_watches_trigger_passes_only_for_jobs_kopf_handed_over_lately() -> None:
     runner.trigger_soon("ns", "gpt")
     assert not kube.done.acquire(timeout=0.5)
     assert len(kube.passes) == 2
+
+
+class PlainKube:
+    """A job that is there, on one node, and whose first `conflicts` status patches are refused
+    (it changed after the pass read it)."""
+
+    def __init__(self, conflicts: int = 0) -> None:
+        self.executed: list[list[Any]] = []
+        self.conflicts = conflicts
+        self.passes: list[str] = []
+        self.done = threading.Semaphore(0)
+
+    def get_job(self, namespace: str, name: str, fresh: bool = False) -> dict[str, Any]:
+        self.passes.append(name)
+        self.done.release()
+        return make_job(replicas=2, min_replicas=1, max_replicas=2)
+
+    def observe(self, job: dict[str, Any]) -> Observed:
+        return Observed(job=job, pods=[], nodes=[make_node("n1", cpu="8")], now=datetime.now(UTC))
+
+    def execute(self, job: dict[str, Any], actions: list[Any]) -> None:
+        if self.conflicts:
+            self.conflicts -= 1
+            raise JobChanged("ns/gpt changed since the pass read it")
+        self.executed.append(actions)
+
+
+def test_a_pass_whose_job_changed_before_its_status_patch_decides_again_without_an_error() -> None:
+    kube = PlainKube(conflicts=1)
+    runner = JobPassRunner(kube, OperatorMetrics(), OperatorSettings())  # type: ignore[arg-type]
+    runner.trigger("ns", "gpt")
+    assert len(kube.executed) == 1, "the pass ran again at once"
+    assert isinstance(kube.executed[0][0], PatchStatus) and kube.executed[0][0].status["phase"] == "Pending"
+    assert runner.failing_attempts("ns", "gpt") == 0, "a changed job is no error"
+
+
+def test_the_changes_of_a_burst_within_the_trigger_delay_are_one_pass() -> None:
+    kube = PlainKube()
+    runner = JobPassRunner(kube, OperatorMetrics(), OperatorSettings(trigger_delay_seconds=2))  # type: ignore[arg-type]
+    runner.handed("ns", "gpt")
+    runner.handed("ns", "bert")
+    for _ in range(6):  # the pods of a gang changing one after the other
+        runner.trigger_soon("ns", "gpt")
+        time.sleep(0.05)
+    runner.trigger_soon("ns", "bert")
+    assert kube.done.acquire(timeout=10) and kube.done.acquire(timeout=10)
+    assert not kube.done.acquire(timeout=1), "one pass per job for the whole burst"
+    assert sorted(kube.passes) == ["bert", "gpt"]

@@ -185,3 +185,30 @@ def test_requests_are_counted_by_kubernetes_verb_and_resource() -> None:
     assert request_kind("GET", job) == ("get", "distributedtrainingjobs")
     assert request_kind("PATCH", f"{job}/status") == ("patch", "distributedtrainingjobs/status")
     assert request_kind("GET", f"{base}/api/v1/namespaces/ns") == ("get", "namespaces")
+
+
+def job(rv: int, replicas: int = 2, status: dict[str, Any] | None = None) -> dict[str, Any]:
+    meta = {"name": "gpt", "namespace": "ns", "uid": "uid-gpt", "resourceVersion": str(rv)}
+    return {"metadata": meta, "spec": {"replicas": replicas}, "status": status or {}}
+
+
+def test_the_job_a_pass_reads_holds_the_status_the_operator_wrote_and_its_echo_triggers_nothing() -> None:
+    cache = ClusterCache(None, ("ns",))  # type: ignore[arg-type]
+    fired: list[tuple[str, str]] = []
+    cache.trigger = lambda ns, name: fired.append((ns, name))
+    path = "/apis/training.dtjob.io/v1alpha1/namespaces/ns/distributedtrainingjobs"
+    jobs = Informer(None, "jobs in ns", path, on_change=cache._job_changed)  # type: ignore[arg-type]
+    cache.jobs = [jobs]
+    assert cache.job("ns", "gpt") is None, "not listed yet: the pass reads the job from the API server"
+    jobs._replace([job(1)], 1)
+    assert cache.job("ns", "gpt") == job(1)
+    cache.assume_job(job(5, status={"generation": 1}))  # the response of a status patch
+    jobs._apply("MODIFIED", job(4, status={}))  # the watch lags
+    jobs._apply("MODIFIED", job(5, status={"generation": 1}))  # the watch's echo of the patch
+    assert cache.job("ns", "gpt") == job(5, status={"generation": 1})
+    assert fired == [], "a status the operator wrote triggers no pass of its own"
+    jobs._apply("MODIFIED", job(6, replicas=3, status={"generation": 1}))  # kubectl scale
+    assert fired == [("ns", "gpt")]
+    jobs._apply("DELETED", job(7, replicas=3))
+    assert cache.job("ns", "gpt") is None and fired == [("ns", "gpt")] * 2
+    assert cache.job("other", "gpt") is None, "a namespace no cache covers"

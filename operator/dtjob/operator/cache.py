@@ -1,9 +1,9 @@
-"""Watch-based caches of what a pass reads besides the job: pods, nodes and the jobs' Services.
+"""Watch-based caches of what a pass reads: the jobs, their pods, nodes and the jobs' Services.
 
-One list and then one watch per resource for the whole operator (pods and Services per served
-namespace, or cluster-wide), instead of a list of the job's pods, a read of its Service and a
-cluster-wide list of nodes and bound pods per pass: at 500 jobs on a 5 s timer that was 300 list
-calls a second, each cluster-wide one carrying every pod of the cluster.
+One list and then one watch per resource for the whole operator (jobs, pods and Services per
+served namespace, or cluster-wide), instead of a read of the job, a list of its pods, a read of
+its Service and a cluster-wide list of nodes and bound pods per pass: at 500 jobs on a 5 s timer
+that was 300 list calls a second, each cluster-wide one carrying every pod of the cluster.
 
 Each cache keeps the API server's JSON objects (never the client's models, see rawapi.py), with
 what no pass reads cut off: every object's managedFields, a node's image list, a pod's volumes and,
@@ -20,9 +20,17 @@ object went away (`TOMBSTONES` of them), so the response of the operator's own d
 arrives after the watch's DELETED event does not bring the pod back (seen at 256 workers: a
 pass waited forever for an old worker that was long gone).
 
+A job's status is the operator's memory: the pass after a status patch must start from what it
+wrote. The patch's response goes into the cache (`assume_job`), and a watch event never takes the
+cache back behind it, so the cache is as new as a read of the job for everything the operator
+wrote itself; a job the cache does not hold yet (just created) is read from the API server.
+
 Triggers: every change of a pod labelled with a job name triggers that job's pass; a node turning
-NotReady or going away triggers the jobs with pods on it. They run after the cache holds the
-change, so the pass they trigger sees it.
+NotReady or going away triggers the jobs with pods on it; a job whose spec or metadata changed
+(`kubectl scale`, a deletion) triggers its own. They run after the cache holds the change, so the
+pass they trigger sees it. An event that carries the object the cache already holds (the same
+resourceVersion: the watch's echo of the operator's own write) changes nothing and triggers
+nothing.
 """
 
 from __future__ import annotations
@@ -40,7 +48,7 @@ from typing import Any
 from kubernetes.client.rest import ApiException
 
 from dtjob.operator.capacity import node_is_ready
-from dtjob.operator.jobview import LABEL_JOB, LABEL_MANAGED_BY, MANAGED_BY
+from dtjob.operator.jobview import GROUP, LABEL_JOB, LABEL_MANAGED_BY, MANAGED_BY, PLURAL, VERSION
 from dtjob.operator.rawapi import RawApi, quoted
 
 log = logging.getLogger("dtjob.operator")
@@ -202,8 +210,11 @@ class Informer:
         with self._lock:
             cached = self._items.get(key)
             new_rv, old_rv = resource_version(obj), None if cached is None else resource_version(cached)
-            if old_rv is not None and new_rv is not None and new_rv < old_rv:
-                return  # older than what the cache holds (an own write it already has)
+            # Older than what the cache holds, or the same object again (an own write's echo).
+            older = new_rv is not None and old_rv is not None and new_rv < old_rv
+            same = new_rv is not None and new_rv == old_rv and kind != "DELETED"
+            if older or same:
+                return
             if kind == "ASSUMED" and new_rv is None:
                 return  # cannot be ordered against the watch: the watch brings it
             gone_at = self._gone.get(key)
@@ -348,9 +359,17 @@ def _node_of(pod: Obj) -> list[str]:
 Trigger = Callable[[str, str], None]
 
 
+def _job_spec_or_meta(job: Obj) -> tuple[Any, Any]:
+    """What a job's own trigger answers: its spec and metadata, not its status (the operator's
+    own writes) nor the resourceVersion every write moves."""
+    meta = {k: v for k, v in (job.get("metadata") or {}).items() if k != "resourceVersion"}
+    return job.get("spec"), meta
+
+
 class ClusterCache:
-    """The operator's caches: pods (cluster-wide, or only the served namespaces when the operator
-    may not list pods everywhere), nodes, and the Services the operator created."""
+    """The operator's caches: the jobs (per served namespace, or cluster-wide), pods
+    (cluster-wide, or only the served namespaces when the operator may not list pods everywhere),
+    nodes, and the Services the operator created."""
 
     def __init__(self, raw: RawApi, namespaces: tuple[str, ...] = ()) -> None:
         self.raw = raw
@@ -359,6 +378,7 @@ class ClusterCache:
         self._lock = threading.Lock()
         self.pods: list[Informer] = []
         self.services: list[Informer] = []
+        self.jobs: list[Informer] = []
         self.nodes: Informer | None = None
         self._pods_started = threading.Event()
         self._scope_error: str | None = None
@@ -374,6 +394,10 @@ class ClusterCache:
         keys = {k for obj in (old, new) if obj is not None for k in _job_of(obj)}
         for namespace, job in keys:
             self._fire(namespace, job)
+
+    def _job_changed(self, old: Obj | None, new: Obj | None) -> None:
+        if old is None or new is None or _job_spec_or_meta(old) != _job_spec_or_meta(new):
+            self._fire(*key_of(old or new or {}))
 
     def _node_changed(self, old: Obj | None, new: Obj | None) -> None:
         was_ready = old is not None and node_is_ready(old)
@@ -393,13 +417,16 @@ class ClusterCache:
                 return
             selector = {"labelSelector": f"{LABEL_MANAGED_BY}={MANAGED_BY}"}
             for ns in list(self.namespaces) or [""]:
+                where = f" in {ns}" if ns else ""
                 path = "/api/v1/services" if not ns else f"/api/v1/namespaces/{quoted(ns)}/services"
-                what = f"services{' in ' + ns if ns else ''}"
-                self.services.append(Informer(self.raw, what, path, selector, trim=trim_service))
+                services = Informer(self.raw, f"services{where}", path, selector, trim=trim_service)
+                self.services.append(services)
+                jobs = f"/apis/{GROUP}/{VERSION}" + (f"/namespaces/{quoted(ns)}" if ns else "") + f"/{PLURAL}"
+                self.jobs.append(Informer(self.raw, f"jobs{where}", jobs, on_change=self._job_changed))
             self.nodes = Informer(
                 self.raw, "nodes", "/api/v1/nodes", trim=trim_node, on_change=self._node_changed
             )
-            for informer in [*self.services, self.nodes]:
+            for informer in [*self.jobs, *self.services, self.nodes]:
                 informer.start()
         threading.Thread(target=self._start_pods, name="cache-pods-scope", daemon=True).start()
 
@@ -452,7 +479,7 @@ class ClusterCache:
             informer.stop()
 
     def all(self) -> list[Informer]:
-        return [*self.pods, *self.services, *([self.nodes] if self.nodes else [])]
+        return [*self.pods, *self.jobs, *self.services, *([self.nodes] if self.nodes else [])]
 
     def wait_synced(self, timeout: float) -> None:
         """Returns once every cache has listed; raises CacheNotReady after `timeout`."""
@@ -467,6 +494,14 @@ class ClusterCache:
                 raise CacheNotReady(f"the operator's cache of {informer.what} is not ready: {why}")
 
     # what a pass reads ----------------------------------------------------------------------------
+    def job(self, namespace: str, name: str) -> Obj | None:
+        """The cached job; None when no cache of its namespace has listed yet or it holds no such
+        job (then read it from the API server, and `assume_job` the answer)."""
+        informer = self._informer(self.jobs, namespace)
+        if informer is None or not informer.synced.is_set():
+            return None
+        return informer.get((namespace, name))
+
     def job_pods(self, namespace: str, job: str) -> list[Obj]:
         pods = [p for informer in self.pods for p in informer.by_index("job", (namespace, job))]
         return sorted(pods, key=lambda p: str((p.get("metadata") or {}).get("name")))
@@ -483,21 +518,23 @@ class ClusterCache:
         return any(informer.get((namespace, name)) is not None for informer in self.services)
 
     def assume_pod(self, pod: Obj) -> None:
-        namespace = str((pod.get("metadata") or {}).get("namespace") or "")
-        for informer in self.pods:
-            if (
-                not informer.path.startswith("/api/v1/namespaces/")
-                or f"/{quoted(namespace)}/" in informer.path
-            ):
-                informer.assume(pod)
-                return
+        self._assume(self.pods, pod)
 
     def assume_service(self, service: Obj) -> None:
-        namespace = str((service.get("metadata") or {}).get("namespace") or "")
-        for informer in self.services:
-            if (
-                not informer.path.startswith("/api/v1/namespaces/")
-                or f"/{quoted(namespace)}/" in informer.path
-            ):
-                informer.assume(service)
-                return
+        self._assume(self.services, service)
+
+    def assume_job(self, job: Obj) -> None:
+        self._assume(self.jobs, job)
+
+    def _assume(self, informers: list[Informer], obj: Obj) -> None:
+        informer = self._informer(informers, str((obj.get("metadata") or {}).get("namespace") or ""))
+        if informer is not None:
+            informer.assume(obj)
+
+    @staticmethod
+    def _informer(informers: list[Informer], namespace: str) -> Informer | None:
+        """The informer of `informers` that covers `namespace` (a cluster-wide one covers all)."""
+        for informer in informers:
+            if "/namespaces/" not in informer.path or f"/namespaces/{quoted(namespace)}/" in informer.path:
+                return informer
+        return None

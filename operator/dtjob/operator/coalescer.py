@@ -1,4 +1,5 @@
-"""Coalescing of triggers: at most one run per key in flight, and no trigger ever lost.
+"""Coalescing of triggers: at most one run per key in flight, and no trigger ever lost; and
+`Later`, which runs calls after a delay (so triggers arriving meanwhile can join them).
 
 kopf calls a handler for every event of a job or of its pods and on every timer tick, from
 several threads at once. A pass of a job must not run twice at the same time (two passes could
@@ -9,12 +10,17 @@ change the trigger announces).
 
 from __future__ import annotations
 
+import heapq
+import itertools
+import logging
 import threading
+import time
 from collections.abc import Callable, Hashable
 from contextlib import AbstractContextManager
 from typing import Generic, TypeVar
 
 K = TypeVar("K", bound=Hashable)
+log = logging.getLogger("dtjob.operator")
 
 
 class Coalescer(Generic[K]):
@@ -55,3 +61,34 @@ class Coalescer(Generic[K]):
                 self._running.discard(key)
                 self._dirty.discard(key)
             raise
+
+
+class Later:
+    """Calls each `call(delay, fn)`'s `fn()` `delay` seconds later, in the order of their
+    deadlines, on one thread for all of them (started at the first call)."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._due: list[tuple[float, int, Callable[[], object]]] = []
+        self._order = itertools.count()  # ties keep the order of the calls
+        self._wake = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def call(self, delay: float, fn: Callable[[], object]) -> None:
+        with self._wake:
+            heapq.heappush(self._due, (time.monotonic() + delay, next(self._order), fn))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._thread.start()
+            self._wake.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not self._due or self._due[0][0] > time.monotonic():
+                    self._wake.wait(self._due[0][0] - time.monotonic() if self._due else None)
+                fn = heapq.heappop(self._due)[2]
+            try:
+                fn()
+            except Exception:  # one failing call must not stop the ones after it
+                log.exception("%s: a delayed call failed", self._name)

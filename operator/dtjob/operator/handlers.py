@@ -1,4 +1,6 @@
-"""Thin kopf handlers: every trigger ends in `JobPassRunner.trigger(namespace, name)`.
+"""Thin kopf handlers: every trigger ends in `JobPassRunner.trigger_soon(namespace, name)`, which
+runs the job's pass on the runner's threads a moment later, together with every other trigger of
+the job meanwhile (kopf's thread returns at once).
 
 Triggers: a timer per job (notices deadlines, TTLs and capacity coming back), and any event of the
 job itself (create, spec change such as `kubectl scale`, status). Pods and nodes are not watched
@@ -60,7 +62,7 @@ def build_registry(runner: JobPassRunner, settings: OperatorSettings) -> kopf.Op
         runner.handed(namespace or "default", name)
         if not needs_timer(status.get("phase"), spec):
             return  # idle: only a spec change (a job event) or a pod event can change anything
-        runner.trigger(namespace or "default", name)
+        runner.trigger_soon(namespace or "default", name)
 
     @kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)
     def job_event(type: str, namespace: str | None, name: str, **_: Any) -> None:
@@ -68,6 +70,6 @@ def build_registry(runner: JobPassRunner, settings: OperatorSettings) -> kopf.Op
             runner.forget(namespace or "default", name)
         else:
             runner.handed(namespace or "default", name)
-            runner.trigger(namespace or "default", name)
+            runner.trigger_soon(namespace or "default", name)
 
     return registry

@@ -6,6 +6,7 @@ here is idempotent under retries: creates tolerate AlreadyExists, deletes tolera
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 from collections.abc import Callable, Mapping
@@ -144,11 +145,16 @@ class Kube:
         self.scraper.forget((namespace, name))
 
     # observing ----------------------------------------------------------------------------
-    def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
-        """The job as the API server has it now: its status is the operator's memory, so every
-        pass starts from the one the last pass wrote, never from a cache that may lag it."""
+    def get_job(self, namespace: str, name: str, fresh: bool = False) -> dict[str, Any] | None:
+        """The job, with the status the last pass wrote: from the cache, which holds every status
+        patch's response (see dtjob.operator.cache), or read from the API server when the cache
+        does not hold the job yet or `fresh` asks for it. A copy: the pass may keep it while the
+        cache moves on."""
+        cached = None if fresh else self.cache.job(namespace, name)
+        if cached is not None:
+            return copy.deepcopy(cached)
         try:
-            return cast(
+            job = cast(
                 dict[str, Any],
                 self.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name),
             )
@@ -156,6 +162,8 @@ class Kube:
             if e.status == 404:
                 return None
             raise
+        self.cache.assume_job(copy.deepcopy(job))
+        return job
 
     def observe(self, job: dict[str, Any]) -> Observed:
         self.cache.wait_synced(self.settings.cache_sync_timeout_seconds)
@@ -279,6 +287,8 @@ class Kube:
                 continue
             try:
                 self._execute_one(view, actions[i])
+            except JobChanged:
+                raise
             except Exception as error:
                 raise ActionFailed(actions[i], error) from error
             i += 1
@@ -320,9 +330,22 @@ class Kube:
         ns, name = job.namespace, job.name
         match action:
             case PatchStatus(status=status):
-                self.custom.patch_namespaced_custom_object_status(
-                    GROUP, VERSION, ns, PLURAL, name, {"status": status}
-                )
+                # Written over the job the pass read, or not at all: the pass decided from that
+                # version (a cache may hold an older one than the API server, and a job deleted
+                # and created again under the same name is another job).
+                rv = _get_rv(job.body)
+                patch = {"status": status, **({"metadata": {"resourceVersion": rv}} if rv else {})}
+                try:
+                    written = self.custom.patch_namespaced_custom_object_status(
+                        GROUP, VERSION, ns, PLURAL, name, patch
+                    )
+                except ApiException as e:
+                    if e.status != 409:
+                        raise
+                    self.get_job(ns, name, fresh=True)
+                    raise JobChanged(f"{ns}/{name} changed since the pass read it") from None
+                if isinstance(written, dict):
+                    self.cache.assume_job(written)
             case CreateService(manifest=manifest):
                 services = f"/api/v1/namespaces/{quoted(ns)}/services"
                 try:
@@ -380,6 +403,15 @@ class Kube:
             log.warning(
                 "could not post event %s on %s/%s: %s", event.reason, job.namespace, job.name, e.reason
             )
+
+
+class JobChanged(Exception):
+    """The job changed between the pass's read and its status patch (which was refused): the
+    pass decided on an old version, and runs again on the new one (no error)."""
+
+
+def _get_rv(job: Mapping[str, Any]) -> str:
+    return str((job.get("metadata") or {}).get("resourceVersion") or "")
 
 
 class ActionFailed(Exception):

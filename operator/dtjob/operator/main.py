@@ -48,6 +48,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     tuning = parser.add_argument_group("tuning (each flag sets a field of dtjob.operator.settings)")
     for flag, kind, default, text in (
         ("--max-workers", int, d.max_workers, "threads running passes: jobs reconciled at once"),
+        ("--trigger-delay-seconds", float, d.trigger_delay_seconds,
+         "a watched change runs its job's pass this much later, with the changes meanwhile"),
         ("--grow-hold-seconds", float, r.grow_hold_seconds, "a gang runs this long at a size before growing"),
         ("--unplanned-stop-grace-seconds", int, r.unplanned_stop_grace_seconds,
          "SIGTERM-to-SIGKILL grace of the survivors of a failure"),
@@ -93,6 +95,7 @@ def build_settings(args: argparse.Namespace, env: Mapping[str, str]) -> Operator
         metrics_port=args.metrics_port,
         interval_seconds=args.interval,
         max_workers=args.max_workers,
+        trigger_delay_seconds=args.trigger_delay_seconds,
         verbose=args.verbose,
         reconciler=ReconcilerSettings(
             grow_hold_seconds=args.grow_hold_seconds,

@@ -1,11 +1,16 @@
 """The impure side of a reconcile: observe a job, ask the pure reconciler, execute its actions.
 
-`JobPassRunner.trigger(namespace, name)` is what every kopf handler calls. Triggers of one job
-coalesce (`Coalescer`): never two passes of a job at once, and every trigger answered by a pass
-that starts after it. The operator's own watches and its scraper (which must not wait for a pass)
-call `trigger_soon`, which runs the pass on the runner's own threads, and only for jobs that kopf
-handed to this operator within the last two timer intervals: a replica that kopf's peering holds
-paused gets no job from kopf, so its watches act on none either.
+`JobPassRunner.trigger_soon(namespace, name)` is what the kopf handlers, the operator's own
+watches and its scraper call: it runs the pass on the runner's own threads a moment later
+(`trigger_delay_seconds`; the changes of a gang's pods come in bursts, and one pass answers a
+burst), and only for jobs that kopf handed to this operator within the last two timer intervals:
+a replica that kopf's peering holds paused gets no job from kopf, so its watches act on none
+either. Triggers of one job coalesce (`Coalescer`): never two passes of a job at once, and every
+trigger answered by a pass that starts after it.
+
+A pass reads the job from the operator's cache and writes its status only over the version it
+read (the resourceVersion is the patch's precondition): when the job changed in between, the
+patch is refused, nothing of the pass is done (its status patch comes first) and it runs again.
 
 No error of a pass is only a log line. Any exception while observing, deciding or acting shows
 on the job as a Warning event (when the error is new) and the condition `Reconciled=False` with
@@ -18,6 +23,7 @@ posts a Normal event `Recovered`.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
@@ -32,8 +38,8 @@ from kubernetes.client.rest import ApiException
 from pydantic import ValidationError
 
 from dtjob.operator.actions import EmitEvent, PatchStatus
-from dtjob.operator.coalescer import Coalescer
-from dtjob.operator.kube import ActionFailed, Kube, describe_action
+from dtjob.operator.coalescer import Coalescer, Later
+from dtjob.operator.kube import ActionFailed, JobChanged, Kube, describe_action
 from dtjob.operator.metrics import OperatorMetrics
 from dtjob.operator.reconciler import reconcile, with_condition
 from dtjob.operator.settings import OperatorSettings
@@ -79,6 +85,7 @@ class JobPassRunner:
         self._handed: dict[Key, float] = {}  # job -> when kopf last handed it over (monotonic)
         self._queued: set[Key] = set()
         self._soon = ThreadPoolExecutor(settings.max_workers, thread_name_prefix="pass")
+        self._later = Later("pass-delay")
         # Two timer ticks and a second: kopf's timer hands every job over once per interval.
         self._handed_for = 2 * settings.interval_seconds + 1.0
 
@@ -93,15 +100,20 @@ class JobPassRunner:
             self._handed[(namespace, name)] = self._clock()
 
     def trigger_soon(self, namespace: str, name: str) -> None:
-        """`trigger` on the runner's threads, returning at once; a job already waiting for one
-        of them is not queued twice. Ignored for a job kopf has not handed over lately."""
+        """`trigger` on the runner's threads after `trigger_delay_seconds`, returning at once; a
+        job already waiting is not queued twice (the triggers meanwhile join its pass). Ignored
+        for a job kopf has not handed over lately."""
         key = (namespace, name)
         with self._lock:
             handed = self._handed.get(key)
             if handed is None or self._clock() - handed > self._handed_for or key in self._queued:
                 return
             self._queued.add(key)
-        self._soon.submit(self._trigger_queued, key)
+        delay = self.settings.trigger_delay_seconds
+        if delay > 0:
+            self._later.call(delay, functools.partial(self._soon.submit, self._trigger_queued, key))
+        else:
+            self._soon.submit(self._trigger_queued, key)
 
     def _trigger_queued(self, key: Key) -> None:
         with self._lock:
@@ -144,6 +156,11 @@ class JobPassRunner:
             actions = reconcile(observed, self.settings.reconciler)
             stage = "act"
             self.kube.execute(job, actions)
+        except JobChanged as changed:
+            # Nothing was done (the status patch comes first): decide again on the new version.
+            log.debug("%s/%s: %s; deciding again", namespace, name, changed)
+            self.trigger(namespace, name)
+            return
         except Exception as error:
             if _job_gone(error):
                 self.forget(namespace, name)
@@ -201,13 +218,13 @@ class JobPassRunner:
         job cannot be written to, which the next attempt reports again."""
         namespace, name = key
         try:
-            job = self.kube.get_job(namespace, name)
+            job = self.kube.get_job(namespace, name, fresh=True)  # rare: read it as it is now
             if job is None:
                 return
             conditions = (job.get("status") or {}).get("conditions") or []
             updated = with_condition(conditions, RECONCILED, ok, reason, message, datetime.now(UTC))
             actions: list[Any] = [] if event is None else [event]
-            self.kube.execute(job, [*actions, PatchStatus({"conditions": updated})])
+            self.kube.execute(job, [PatchStatus({"conditions": updated}), *actions])
         except Exception as error:
             log.warning("%s/%s: could not report %s on the job: %s", namespace, name, reason, error)
 
