@@ -61,8 +61,11 @@ def test_survivors_exiting_76_restart_the_gang_counted_naming_the_lost_rank() ->
     )
     assert [(e.type, e.reason) for e in events(actions)] == [("Warning", "PeerLost")]
     assert CountRestart("PeerLost") in actions
+    # The survivors have exited; the lost rank (hung, cut off, or on a silent node) is forced
+    # too: a graceful deletion would wait for its grace period, or forever on a silent node.
     graceful = {d.name: d.grace_seconds for d in deletes(actions)}
-    assert graceful == {"gpt-worker-0": 0, "gpt-worker-1": 0, "gpt-worker-2": 5, "gpt-worker-3": 0}
+    assert graceful == {"gpt-worker-0": 0, "gpt-worker-1": 0, "gpt-worker-2": 0, "gpt-worker-3": 0}
+    assert "rank 2 lost by its peers" in next(d for d in deletes(actions) if d.name == "gpt-worker-2").reason
 
 
 def test_the_lost_rank_comes_from_the_termination_message_too_and_may_be_unknown() -> None:
@@ -71,6 +74,8 @@ def test_the_lost_rank_comes_from_the_termination_message_too_and_may_be_unknown
     assert "rank 2 (gpt-worker-2) lost: no heartbeat for 4s" in (condition(from_message, "Restarting") or {})[
         "message"]  # fmt: skip
     unnamed = run(job, survivors_of_rank_2(None), two_nodes())
+    graceful = {d.name: d.grace_seconds for d in deletes(unnamed)}
+    assert graceful["gpt-worker-2"] == 5, "no rank named: the one still running gets its grace period"
     message = (condition(unnamed, "Restarting") or {})["message"]
     assert message.endswith("gpt-worker-0, gpt-worker-1, gpt-worker-3 exited 76: a peer stopped answering "
                             "(no rank named in the log)")  # fmt: skip
