@@ -109,13 +109,42 @@ class Metronome:
             self._thread.join(timeout=5)
 
 
-def _at(log: StepLog, step: int, world: int) -> bool:
-    snap = log.snapshot()
-    return bool(snap) and snap[-1][1]["step"] == step and snap[-1][1].get("world_size") == world
+def meet(
+    last: dict[str, Any] | None, fault_step: int, world: int, running: int, limit: int
+) -> tuple[str, int]:
+    """What the bench does before a fault, from rank 0's last logged step and the pods running:
+    ("ready", s) when `world` workers run and step s >= fault_step was logged at world size
+    `world` (the gang is held at the gate after it); ("open", s + 1) when they run but the last
+    step, past fault_step, was logged at another world size: the gang of `world` may wait at the
+    gate without a step to log (it resumed from the checkpoint its predecessor wrote there, as a
+    SIGTERM at the gate does one more step), or the old gang has not taken the new worker in yet;
+    one more step lets either show, up to `limit` (the next fault's step); ("wait", 0) otherwise."""
+    if last is None or running < world or int(last["step"]) < fault_step:
+        return "wait", 0
+    step = int(last["step"])
+    if last.get("world_size") == world:
+        return "ready", step
+    return ("open", step + 1) if step + 1 < limit else ("wait", 0)
 
 
-def _full_gang(job: BenchJob, world: int) -> bool:
-    return len(job.running_pods()) >= world
+def _meet_gang(job: BenchJob, log: StepLog, fault_step: int, world: int, limit: int) -> int:
+    """Waits for the gang a fault meets (see `meet`), opening the gate one step per METRONOME_S
+    when it must; returns the step the gang is held after."""
+    deadline = time.time() + RECOVERY_TIMEOUT_S
+    opened = 0.0
+    while time.time() < deadline:
+        snap = log.snapshot()
+        what, step = meet(snap[-1][1] if snap else None, fault_step, world, len(job.running_pods()), limit)
+        if what == "ready":
+            return step
+        if what == "open" and time.time() - opened >= METRONOME_S:
+            job.gate(step)
+            opened = time.time()
+        time.sleep(0.5)
+    raise BenchError(
+        f"timed out after {RECOVERY_TIMEOUT_S:g}s waiting for {world} workers held at step "
+        f"{fault_step} or later"
+    )
 
 
 def run_repeat(
@@ -179,13 +208,10 @@ def _run_fault(
     job: BenchJob, log: StepLog, scenario: str, fault_step: int, next_gate: int, stopped: list[int]
 ) -> dict[str, Any]:
     world = REPLICAS_FOR[scenario]
-    # The gang this fault meets: at the fault's step and at its world size. Pods running are not
-    # enough: a PyTorchJob that went on with 1 worker after a node loss takes the new second pod
-    # in only at torchrun's next restart (it redoes the steps since the checkpoint and reaches
-    # the gate again at world size 2).
-    wait_for(f"step {fault_step} at world size {world}", lambda: _at(log, fault_step, world),
-             timeout=RECOVERY_TIMEOUT_S, interval=0.1)  # fmt: skip
-    wait_for(f"{world} worker pods running", lambda: _full_gang(job, world), timeout=RECOVERY_TIMEOUT_S)
+    # The gang this fault meets: at the fault's step (or a little later) and at its world size.
+    # Pods running are not enough: a PyTorchJob that went on with 1 worker after a node loss
+    # takes the new second pod in only at torchrun's next restart.
+    fault_step = _meet_gang(job, log, fault_step, world, next_gate)
     time.sleep(1.0)  # every rank past the step and waiting at the gate
     pod = job.pod(FAULTED_POD)
     node: str | None = None

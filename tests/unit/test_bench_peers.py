@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.peers.scenarios import steps_accounting
+from bench.peers.scenarios import meet, steps_accounting
 
 
 def _log(*entries: tuple[float, int, int]) -> list[tuple[float, dict[str, Any]]]:
@@ -32,3 +32,17 @@ def test_a_rescale_that_checkpoints_where_it_stops_redoes_nothing_and_the_window
 def test_a_gang_that_skips_steps_lost_them() -> None:
     records = _log((9, 12, 2), (20, 16, 2))
     assert steps_accounting(records, 10, 30) == {"repeated": 0, "lost": 3}
+
+
+def test_a_fault_meets_the_gang_held_at_its_step_or_opens_the_gate_for_one_that_resumed_past_it() -> None:
+    at = {"step": 52, "world_size": 2}
+    assert meet(at, 52, 2, running=2, limit=60) == ("ready", 52)
+    assert meet(at, 52, 2, running=1, limit=60) == ("wait", 0), "a worker not running yet"
+    assert meet({"step": 50, "world_size": 2}, 52, 2, running=2, limit=60) == ("wait", 0)
+    # The gang of 1 went one step past the gate (SIGTERM there) and checkpointed it; the gang of 2
+    # resumed from that checkpoint and waits at the gate without a step to log.
+    assert meet({"step": 53, "world_size": 1}, 52, 2, running=2, limit=60) == ("open", 54)
+    assert meet({"step": 54, "world_size": 2}, 52, 2, running=2, limit=60) == ("ready", 54)
+    late = meet({"step": 59, "world_size": 1}, 52, 2, running=2, limit=60)
+    assert late == ("wait", 0), "never past the next fault's step"
+    assert meet(None, 12, 2, running=2, limit=27) == ("wait", 0)
