@@ -75,8 +75,13 @@ def test_sigterm_checkpoints_exits_75_and_resume_repeats_no_step(tmp_path: Path)
     assert [s["step"] for s in resumed.steps()] == [stopped_at + 1, stopped_at + 2, stopped_at + 3]
 
 
-def test_lost_peer_makes_the_survivor_fail_instead_of_hang(tmp_path: Path) -> None:
-    gang = launch(2, [*ENDLESS, "--collective-timeout", "20"], tmp_path, "lost")
+@pytest.mark.parametrize("heartbeat", ["4", "0"], ids=["named-by-the-heartbeat", "heartbeat-off"])
+def test_lost_peer_makes_the_survivor_fail_instead_of_hang(tmp_path: Path, heartbeat: str) -> None:
+    """A peer's process killed: the survivor's collective fails at once ("Connection closed by
+    peer"); with the heartbeat on, the survivor waits for it to name the lost rank and exits 76
+    (the operator then knows which pod to replace, even on a node that looks alive)."""
+    env = {"DTJOB_HEARTBEAT_TIMEOUT": heartbeat}
+    gang = launch(2, [*ENDLESS, "--collective-timeout", "20"], tmp_path, "lost", env=env)
     try:
         wait_for(lambda: len(gang.steps()) >= 3, "three steps")
         gang.procs[1].kill()
@@ -84,8 +89,14 @@ def test_lost_peer_makes_the_survivor_fail_instead_of_hang(tmp_path: Path) -> No
         code = gang.procs[0].wait(timeout=90)
     finally:
         gang.kill()
-    assert code not in (0, 75), gang.stderr(0)
-    assert "rank 0 failed" in gang.stderr(0)
+    if heartbeat == "0":
+        assert code not in (0, 75), gang.stderr(0)
+        assert "rank 0 failed" in gang.stderr(0)
+    else:
+        assert code == 76, gang.stderr(0)
+        assert "peer lost: rank 1 silent for" in gang.stderr(0), gang.stderr(0)
+        # The collective saw it first ("Connection reset by peer" or "closed by peer", gloo's words).
+        assert "by peer" in gang.stderr(0) and "waiting up to 6s for the heartbeat" in gang.stderr(0)
 
 
 def test_worker_of_an_older_generation_cannot_join(tmp_path: Path) -> None:
@@ -100,17 +111,19 @@ def test_worker_of_an_older_generation_cannot_join(tmp_path: Path) -> None:
     assert gang.steps() == []
 
 
-@pytest.mark.parametrize("stopped", [1, 0], ids=["a-worker", "rank-0-the-store"])
+@pytest.mark.parametrize(
+    ("world", "stopped"), [(3, 1), (3, 0), (2, 1)], ids=["a-worker", "rank-0-the-store", "of-two"]
+)
 def test_a_hung_rank_is_found_by_the_heartbeat_long_before_the_collective_timeout(
-    tmp_path: Path, stopped: int
+    tmp_path: Path, world: int, stopped: int
 ) -> None:
     """SIGSTOP keeps a rank's sockets open, so its peers' collectives would wait the whole
     --collective-timeout (120 s here); the heartbeat (4 s) ends the gang first, naming the rank."""
     import time
 
     args = [*ENDLESS, "--global-batch-size", "6", "--collective-timeout", "120"]
-    gang = launch(3, args, tmp_path, "hung", env={"DTJOB_HEARTBEAT_TIMEOUT": "4"})
-    survivors = [r for r in range(3) if r != stopped]
+    gang = launch(world, args, tmp_path, "hung", env={"DTJOB_HEARTBEAT_TIMEOUT": "4"})
+    survivors = [r for r in range(world) if r != stopped]
     try:
         wait_for(lambda: len(gang.steps()) >= 3, "three steps")
         gang.signal(stopped, signal.SIGSTOP)
@@ -120,7 +133,7 @@ def test_a_hung_rank_is_found_by_the_heartbeat_long_before_the_collective_timeou
     finally:
         gang.procs[stopped].send_signal(signal.SIGCONT)
         gang.kill()
-    assert codes == [76, 76], gang.stderr()
+    assert codes == [76] * len(survivors), gang.stderr()
     for r in survivors:
         assert f"peer lost: rank {stopped} silent for" in gang.stderr(r), gang.stderr(r)
     # 4 s of silence, a beat a second, two for the others to see the verdict; a loaded machine

@@ -65,3 +65,20 @@ def test_sigterm_exits_75_and_a_resume_at_another_world_size_continues_the_traje
     reference_final = torch.load(tmp_path / "ref" / "final.pt")["weights"]
     for key, value in reference_final.items():
         assert torch.allclose(final["weights"][key], value, rtol=1e-4, atol=1e-6), key
+
+
+def test_a_peer_killed_mid_collective_ends_a_users_script_with_the_lost_rank_named(tmp_path: Path) -> None:
+    """The survivor's all-reduce fails at once (gloo: the connection closed); the session's
+    excepthook holds the error until the heartbeat names rank 1, so the script exits 76 (the
+    operator then replaces that rank's pod at once, even on a node that looks alive)."""
+    args = ["--steps", "1000000", "--global-batch-size", "24", "--checkpoint-every", "0"]
+    gang = launch(2, args, tmp_path, "killed", command=SCRIPT, env={"DTJOB_HEARTBEAT_TIMEOUT": "4"})
+    try:
+        wait_for(lambda: len(gang.steps()) >= 3, "three steps")
+        gang.procs[1].kill()
+        code = gang.procs[0].wait(timeout=90)
+    finally:
+        gang.kill()
+    assert code == 76, gang.stderr(0)
+    assert "waiting up to 6s for the heartbeat" in gang.stderr(0), gang.stderr(0)
+    assert "peer lost: rank 1 silent for" in gang.stderr(0)

@@ -12,6 +12,10 @@ gang at once instead of the survivors waiting in a collective for `collective_ti
 
 A hung process (SIGSTOP, a deadlock holding the interpreter lock) stops its own heartbeat thread
 too; a process blocked in a collective keeps beating (it is alive; the peer it waits for is not).
+A collective that fails because a peer is gone ("Connection closed by peer": its process or its
+node died) would end this rank with a plain error, and the operator would not learn which rank
+is gone (a pod on a dead node looks Running until the node turns NotReady, 15-40 s later):
+`await_verdict` holds the error until the heartbeat names the silent rank, within the timeout.
 A rank that finishes (the last step done, or a planned stop) says so first, and its watcher stops
 watching, so a gang that ends is never taken for a lost one.
 """
@@ -105,6 +109,16 @@ class Heartbeat:
         with contextlib.suppress(RuntimeError, OSError, FutureTimeout):  # the store may be gone
             done.result(timeout=2 * INTERVAL_SECONDS)
 
+    def await_verdict(self, stopped: Callable[[], bool]) -> None:
+        """Give the heartbeat the time to name a lost peer (it then ends the process with
+        EXIT_PEER_LOST): up to the timeout and two beats, less when `stopped()` turns true (a
+        SIGTERM: the operator already restarts the gang). Not before training runs (`arm`)."""
+        deadline = time.monotonic() + self.timeout + 2 * INTERVAL_SECONDS
+        if not self._armed.is_set():
+            return
+        while self._thread.is_alive() and not stopped() and time.monotonic() < deadline:
+            self._thread.join(timeout=0.1)
+
     def _round(self) -> tuple[int, int | None, bool]:
         """One beat: (the next rank's beat, the rank declared lost or None, whether it is done)."""
         self._store.add(self._key("beat", self.rank), 1)
@@ -147,15 +161,29 @@ class Heartbeat:
 
         with contextlib.suppress(RuntimeError, OSError, FutureTimeout):
             self._io.submit(publish).result(timeout=2 * INTERVAL_SECONDS)
-        # The store may live in this process (rank 0): keep it up until every rank has read the
-        # verdict (each reads once a beat), or they would name rank 0 instead.
-        time.sleep(2 * INTERVAL_SECONDS)
+        # The store may live in this process (rank 0): keep it up until every other survivor has
+        # read the verdict (each reads once a beat), or they would name rank 0 instead. Of a gang
+        # of two, the lost rank is the only other one: nobody is left to read it (2 s sooner).
+        if self.rank == 0 and self.world_size > 2:
+            time.sleep(2 * INTERVAL_SECONDS)
         self._leave(rank, silent)
 
     def _leave(self, rank: int, silent: float) -> None:
         print(f"dtjob-trainer: {contract.peer_lost_line(rank, silent)}", file=sys.stderr, flush=True)
         logging.shutdown()
         os._exit(contract.EXIT_PEER_LOST)
+
+
+def is_peer_failure(err: BaseException) -> bool:
+    """Whether `err` may be a collective seeing a peer gone: torch.distributed's own errors, and the
+    RuntimeErrors of gloo and NCCL ("[.../gloo/transport/tcp/pair.cc:561] Connection closed by peer
+    [10.244.2.3]:19860" when a peer's process died)."""
+    if isinstance(err, dist.DistError):
+        return True
+    text = str(err)
+    return isinstance(err, RuntimeError) and any(
+        mark in text for mark in ("gloo", "NCCL", "Connection closed", "Connection reset")
+    )
 
 
 def start(gang_prefix: str, host: str, port: int, rank: int, world_size: int) -> Heartbeat | None:

@@ -95,6 +95,9 @@ def train(c: TrainerConfig) -> None:
     )
     try:
         _train(session, c)
+    except Exception as err:
+        session.failed(err)
+        raise
     finally:
         session.close()
 

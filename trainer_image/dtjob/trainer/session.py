@@ -161,6 +161,8 @@ class ElasticSession:
         # From here on SIGTERM means "finish the step, checkpoint, exit 75". Until the gang formed
         # it killed at once: nothing was trained that a checkpoint would keep.
         self.stop.install()
+        self._previous_excepthook = sys.excepthook
+        sys.excepthook = self._excepthook  # a user's script that ends in an uncaught error
         self.group = control_group()
         self.checkpointer = (
             Checkpointer(
@@ -426,6 +428,21 @@ class ElasticSession:
                 err,
             )
 
+    def failed(self, err: BaseException) -> None:
+        """This rank is about to end with `err`: when it may be a peer gone (a collective's
+        connection closed), wait for the heartbeat to name the lost rank (the process then exits
+        76 naming it, so the operator replaces that rank's pod at once). Called by the built-in
+        loop, and by the `sys.excepthook` the session installs for a user's script."""
+        if self.heartbeat is not None and heartbeat.is_peer_failure(err):
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            log.error("%s; waiting up to %.0fs for the heartbeat to name the lost rank", first,
+                      self.heartbeat.timeout + 2 * heartbeat.INTERVAL_SECONDS)  # fmt: skip
+            self.heartbeat.await_verdict(lambda: self.stop.requested)
+
+    def _excepthook(self, kind: type[BaseException], err: BaseException, tb: Any) -> None:
+        self.failed(err)
+        self._previous_excepthook(kind, err, tb)
+
     def _finish_heartbeat(self) -> None:
         if self.heartbeat is not None:
             self.heartbeat.finish()
@@ -439,6 +456,8 @@ class ElasticSession:
             log.info(contract.complete_line(total))
 
     def close(self) -> None:
+        if sys.excepthook == self._excepthook:
+            sys.excepthook = self._previous_excepthook
         if self._out is not sys.stdout:
             self._out.close()
         if dist.is_initialized():
