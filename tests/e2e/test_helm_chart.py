@@ -358,10 +358,10 @@ RULES: dict[str, tuple[Callable[[str], bool], str]] = {
         _denied("kopfpeerings") + r".* the operator's role needs get, list, watch and patch on kopfpeerings",
     ),
 }
-# kopf lists and watches the peering object once, at start, and the operator's cache its nodes:
-# those rules show on a new process (a running watch was authorized once, when it started; the
-# rules on pods and Services show at once, on the creates they also hold).
-NEEDS_RESTART = {"kopfpeerings", "nodes"}
+# kopf lists and watches the peering object once, at start, and the operator's caches its nodes
+# and its jobs: those rules show on a new process (a running watch was authorized once, when it
+# started; the rules on pods and Services show at once, on the creates they also hold).
+NEEDS_RESTART = {"kopfpeerings", "nodes", "distributedtrainingjobs"}
 
 
 @pytest.mark.parametrize("resource", list(RULES))
