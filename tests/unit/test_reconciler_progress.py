@@ -61,10 +61,10 @@ def test_survivors_exiting_76_restart_the_gang_counted_naming_the_lost_rank() ->
     )
     assert [(e.type, e.reason) for e in events(actions)] == [("Warning", "PeerLost")]
     assert CountRestart("PeerLost") in actions
-    # The survivors have exited; the lost rank (hung, cut off, or on a silent node) is forced
-    # too: a graceful deletion would wait for its grace period, or forever on a silent node.
+    # The survivors have exited (forced); the lost rank (hung, cut off, or on a silent node) gets
+    # a second: a live kubelet kills it at once, a silent node keeps it until its NotReady.
     graceful = {d.name: d.grace_seconds for d in deletes(actions)}
-    assert graceful == {"gpt-worker-0": 0, "gpt-worker-1": 0, "gpt-worker-2": 0, "gpt-worker-3": 0}
+    assert graceful == {"gpt-worker-0": 0, "gpt-worker-1": 0, "gpt-worker-2": 1, "gpt-worker-3": 0}
     assert "rank 2 lost by its peers" in next(d for d in deletes(actions) if d.name == "gpt-worker-2").reason
 
 

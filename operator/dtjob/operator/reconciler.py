@@ -273,12 +273,12 @@ class _Pass:
             return True
         return (self.now - w.scheduled).total_seconds() >= self.settings.node_view_lag_seconds
 
-    def delete(self, w: Worker, reason: str, grace_seconds: int | None = None, force: bool = False) -> None:
+    def delete(self, w: Worker, reason: str, grace_seconds: int | None = None) -> None:
         """Delete gracefully (SIGTERM: the trainer checkpoints; grace_seconds None is the pod's
         own grace period), or force when nobody is left to run a graceful deletion: the pod
-        already ended, its node is lost (a graceful deletion on a dead node would never
-        complete and keep the pod's name taken), or `force` says so."""
-        if force or w.terminal or self.node_lost(w):
+        already ended, or its node is lost (a graceful deletion on a dead node would never
+        complete and keep the pod's name taken)."""
+        if w.terminal or self.node_lost(w):
             self.actions.append(DeletePod(w.name, reason, grace_seconds=0))
         elif not w.deleting:
             self.actions.append(DeletePod(w.name, reason, grace_seconds=grace_seconds))
@@ -553,15 +553,10 @@ def _decide(p: _Pass, current: Sequence[Worker], workers: Sequence[Worker]) -> b
         reason = next((f.reason for f in causes if f.counted), preempted)
         _new_generation(p, _target_size(p), reason, message, counted=counted)
         # A planned stop (preemption, a worker's own exit 75): the others checkpoint first, with
-        # their full grace period; after a failure they cannot (a peer is gone). A rank its peers
-        # declared lost (no heartbeat) is hung, cut off or on a silent node: SIGTERM would reach
-        # no trainer that could act on it, and on a silent node nothing would ever confirm the
-        # deletion, so it is force-deleted at once (its kubelet, if alive, kills it) and the next
-        # generation, whose pod takes its name, need not wait for its grace period or for its
-        # node's NotReady (5 s and 15-40 s).
+        # their full grace period; after a failure they cannot (a peer is gone).
         lost = {f.lost_rank for f in failures if f.reason == "PeerLost" and f.lost_rank is not None}
         grace = p.settings.unplanned_stop_grace_seconds if counted else None
-        _delete_all(p, workers, grace, force={w.name for w in current if w.rank in lost})
+        _delete_all(p, workers, grace, lost={w.name for w in current if w.rank in lost})
         return True
 
     if p.status.get("phase") == RESTARTING and any(
@@ -684,15 +679,24 @@ def _checkpointed_since(p: _Pass, since: datetime | None, doing: str) -> bool:
     return False
 
 
+# The grace of a rank its peers declared lost (no heartbeat): hung, cut off, or on a silent
+# node, it cannot act on SIGTERM. A live kubelet kills it and confirms within about a second (the
+# next generation, whose pod takes its name, waited the 5 s unplanned grace before); a silent
+# node never confirms, and the pod waits for the node's NotReady, as a force deletion would not:
+# that let the scheduler place the next gang on the silent node, which still looked Ready, and
+# cost a second restart at its NotReady (seen in the chaos run).
+LOST_RANK_GRACE_SECONDS = 1
+
+
 def _delete_all(
-    p: _Pass, workers: Sequence[Worker], grace_seconds: int | None = None, force: Collection[str] = ()
+    p: _Pass, workers: Sequence[Worker], grace_seconds: int | None = None, lost: Collection[str] = ()
 ) -> None:
-    """Delete every worker; those named in `force` without a grace period."""
+    """Delete every worker; those named in `lost` with LOST_RANK_GRACE_SECONDS."""
     for w in workers:
         reason = f"stopping generation {w.generation} for generation {p.status.get('generation')}"
-        if w.name in force:
+        if w.name in lost:
             reason = f"rank {w.rank} lost by its peers (no heartbeat), {reason}"
-        p.delete(w, reason, grace_seconds, force=w.name in force)
+        p.delete(w, reason, LOST_RANK_GRACE_SECONDS if w.name in lost else grace_seconds)
 
 
 def _converge_pods(p: _Pass, workers: Sequence[Worker], current: Sequence[Worker]) -> None:
