@@ -96,6 +96,15 @@ class Gang:
     def signal(self, rank: int, sig: signal.Signals) -> None:
         self.procs[rank].send_signal(sig)
 
+    def kill_rank_1_after_three_steps(self, timeout: float = 90) -> int:
+        """SIGKILL rank 1 once three steps are logged; rank 0's exit code (then everything ends)."""
+        try:
+            wait_for(lambda: len(self.steps()) >= 3, "three steps")
+            self.procs[1].kill()
+            return self.procs[0].wait(timeout=timeout)
+        finally:
+            self.kill()
+
     def stderr(self, rank: int | None = None) -> str:
         ranks = range(len(self.procs)) if rank is None else [rank]
         return "\n".join(f"--- rank {r}\n" + (self.logs / f"rank{r}.err").read_text() for r in ranks)

@@ -82,13 +82,8 @@ def test_lost_peer_makes_the_survivor_fail_instead_of_hang(tmp_path: Path, heart
     (the operator then knows which pod to replace, even on a node that looks alive)."""
     env = {"DTJOB_HEARTBEAT_TIMEOUT": heartbeat}
     gang = launch(2, [*ENDLESS, "--collective-timeout", "20"], tmp_path, "lost", env=env)
-    try:
-        wait_for(lambda: len(gang.steps()) >= 3, "three steps")
-        gang.procs[1].kill()
-        # The collective timeout is 20 s; the wait allows for a slow, shared machine on top.
-        code = gang.procs[0].wait(timeout=90)
-    finally:
-        gang.kill()
+    # The collective timeout is 20 s; the 90 s wait allows for a slow, shared machine on top.
+    code = gang.kill_rank_1_after_three_steps(timeout=90)
     if heartbeat == "0":
         assert code not in (0, 75), gang.stderr(0)
         assert "rank 0 failed" in gang.stderr(0)

@@ -73,12 +73,7 @@ def test_a_peer_killed_mid_collective_ends_a_users_script_with_the_lost_rank_nam
     operator then replaces that rank's pod at once, even on a node that looks alive)."""
     args = ["--steps", "1000000", "--global-batch-size", "24", "--checkpoint-every", "0"]
     gang = launch(2, args, tmp_path, "killed", command=SCRIPT, env={"DTJOB_HEARTBEAT_TIMEOUT": "4"})
-    try:
-        wait_for(lambda: len(gang.steps()) >= 3, "three steps")
-        gang.procs[1].kill()
-        code = gang.procs[0].wait(timeout=90)
-    finally:
-        gang.kill()
+    code = gang.kill_rank_1_after_three_steps()
     assert code == 76, gang.stderr(0)
     assert "waiting up to 6s for the heartbeat" in gang.stderr(0), gang.stderr(0)
     assert "peer lost: rank 1 silent for" in gang.stderr(0)
