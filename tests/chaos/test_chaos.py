@@ -251,7 +251,10 @@ def rescale(op: Operator, job: Job, replicas: int, rng: random.Random) -> Outcom
     nudged = time.monotonic()
     while not training():
         if time.monotonic() > deadline:
-            pytest.fail(f"{job.name}: not training at {replicas} workers after {RECOVERY_TIMEOUT:.0f}s")
+            pytest.fail(
+                f"{job.name}: not training at {replicas} workers after {RECOVERY_TIMEOUT:.0f}s: "
+                f"{status(op, job.name)}; last steps {step_log(op, job.name)[-3:]}"
+            )
         if time.monotonic() - nudged > 3.0:
             job.gate += 1
             open_gate(op, job.name, job.gate)

@@ -185,3 +185,49 @@ def test_the_changes_of_a_burst_within_the_trigger_delay_are_one_pass() -> None:
     assert kube.done.acquire(timeout=10) and kube.done.acquire(timeout=10)
     assert not kube.done.acquire(timeout=1), "one pass per job for the whole burst"
     assert sorted(kube.passes) == ["bert", "gpt"]
+
+
+class RememberingKube(PlainKube):
+    """PlainKube whose job keeps the status its passes patch (a job with `run_policy`)."""
+
+    def __init__(self, run_policy: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        self.job = make_job(replicas=2, min_replicas=1, max_replicas=2, runPolicy=run_policy or {})
+
+    def get_job(self, namespace: str, name: str, fresh: bool = False) -> dict[str, Any]:
+        super().get_job(namespace, name, fresh)
+        return self.job
+
+    def execute(self, job: dict[str, Any], actions: list[Any]) -> None:
+        super().execute(job, actions)
+        for action in actions:
+            if isinstance(action, PatchStatus):
+                self.job = {**self.job, "status": {**(self.job.get("status") or {}), **action.status}}
+
+
+def test_a_tick_runs_a_pass_only_when_one_is_due() -> None:
+    now = [0.0]
+    kube = RememberingKube()
+    settings = OperatorSettings(trigger_delay_seconds=0, interval_seconds=5, resync_seconds=60)
+    runner = JobPassRunner(kube, OperatorMetrics(), settings, clock=lambda: now[0])  # type: ignore[arg-type]
+    runner.tick("ns", "gpt")
+    assert kube.done.acquire(timeout=5), "a job without a pass yet gets one at its first tick"
+    for t in (5.0, 10.0, 55.0):  # waiting for its workers: only their pods' events change that
+        now[0] = t
+        runner.tick("ns", "gpt")
+    assert not kube.done.acquire(timeout=0.5), f"ticks ran passes nobody needed: {kube.passes}"
+    now[0] = 60.5
+    runner.tick("ns", "gpt")
+    assert kube.done.acquire(timeout=5), "resync_seconds after the last pass, a tick runs one"
+
+
+def test_a_deadline_the_last_pass_named_gets_a_pass_of_its_own_when_it_falls_due() -> None:
+    kube = RememberingKube({"activeDeadlineSeconds": 1})
+    runner = JobPassRunner(kube, OperatorMetrics(), OperatorSettings(trigger_delay_seconds=0))  # type: ignore[arg-type]
+    runner.handed("ns", "gpt")
+    runner.trigger("ns", "gpt")  # starts the job: startTime now (to the second), deadline 1 s later
+    assert kube.done.acquire(timeout=5)
+    assert kube.done.acquire(timeout=5), "no pass at the deadline, though nothing else would come"
+    phase = (kube.job.get("status") or {}).get("phase")
+    assert phase == "Failed", f"the pass at the deadline failed the job: {phase}"
+    assert not kube.done.acquire(timeout=1.5), "a failed job without a TTL wants no more passes"

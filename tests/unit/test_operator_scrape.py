@@ -33,7 +33,8 @@ def scraper(answers: list[Any]) -> tuple[Scraper, Clock, list[tuple[str, str]], 
             raise answer
         return answer  # type: ignore[no-any-return]
 
-    s = Scraper(SETTINGS, lambda ns, name: fired.append((ns, name)), fetch, clock)
+    # The scrapes a scrape schedules are left out here: the test's clock decides when one is due.
+    s = Scraper(SETTINGS, lambda ns, name: fired.append((ns, name)), fetch, clock, lambda delay, fn: None)
     original = s._run
 
     def run(job: Any, state: Any) -> None:
@@ -101,3 +102,29 @@ def test_a_new_rank_0_starts_with_nothing() -> None:
     assert s.latest(JOB, Target("uid-0", "http://a/metrics")) == TrainerProgress(step=9)
     assert s.latest(JOB, Target("uid-1", "http://b/metrics")) is None, "the next generation's rank 0"
     assert s.done.acquire(timeout=5)  # type: ignore[attr-defined]
+
+
+def test_once_asked_a_rank_0_is_scraped_on_its_own_until_the_job_is_forgotten() -> None:
+    answers = iter([TrainerProgress(step=1), TrainerProgress(step=1), OSError("refused")] + [
+        TrainerProgress(step=n) for n in range(2, 100)])  # fmt: skip
+    fired: list[tuple[str, str]] = []
+    asked = threading.Semaphore(0)
+
+    def fetch(url: str, timeout: float) -> TrainerProgress:
+        asked.release()
+        answer = next(answers)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    fast = ObserverSettings(scrape_interval_seconds=0.05, scrape_backoff_max_seconds=0.05)
+    s = Scraper(fast, lambda ns, name: fired.append((ns, name)), fetch)
+    s.latest(JOB, Target("uid-0", "http://a/metrics"))  # the only pass that asks
+    for _ in range(6):  # step 1, step 1 (no change), refused, steps 2, 3, 4
+        assert asked.acquire(timeout=5), "no scrape after the first: scrapes must go on without passes"
+    assert fired.count(JOB) >= 3, f"every new step triggers a pass: {fired}"
+    assert s.latest(JOB, Target("uid-0", "http://a/metrics")) is not None
+    s.forget(JOB)
+    while asked.acquire(timeout=0.3):  # the scrape in flight or scheduled when forgotten
+        pass
+    assert not asked.acquire(timeout=0.5), "a forgotten job is scraped no more"

@@ -6,6 +6,10 @@ another generation, never more pods than the world size, never starts a generati
 elastic bounds, always counts a restart caused by a failure, and never succeeds a job whose
 current gang did not all exit 0.
 
+Wake-ups: for the same random observations, nothing time alone can change comes before the
+pass's `wake_at` (the next pass the operator schedules when no event comes): a pass at any
+moment before it decides the same as the pass at `now`, the timestamps it writes aside.
+
 Random event orders: a small simulated cluster (scheduler, kubelets, a trainer that checkpoints
 every few steps, resumes from its newest checkpoint and exits 75 on a planned SIGTERM) runs the
 real reconciler between random faults and user actions (worker kills, node loss and return,
@@ -20,10 +24,13 @@ DTJOB_PROPERTY_EXAMPLES sets the number of examples (default 60: about 10 s on 2
 from __future__ import annotations
 
 import copy
+import dataclasses
+import json
 import os
+from datetime import datetime, timedelta
 from typing import Any
 
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
@@ -33,10 +40,11 @@ from dtjob.operator.actions import (
     CreatePod,
     DeleteJob,
     DeletePod,
+    ObserveRecovery,
     PatchStatus,
 )
 from dtjob.operator.progress import TrainerProgress
-from dtjob.operator.reconciler import FAILURE_REASONS, Observed, reconcile, to_rfc3339
+from dtjob.operator.reconciler import FAILURE_REASONS, Observed, plan, reconcile, to_rfc3339
 from dtjob.operator.settings import ReconcilerSettings
 from tests.unit.reconciler_fixtures import at, make_job, make_node, make_pod, status_patch
 
@@ -64,13 +72,18 @@ def observations(draw: st.DrawFn) -> Observed:
     elastic: dict[str, Any] = {"restartPolicy": draw(st.sampled_from(["ExitCode", "OnFailure", "Never"]))}
     if draw(st.booleans()):
         elastic["progressDeadlineSeconds"] = draw(st.integers(5, 120))
+    run_policy: dict[str, Any] = {}
+    if draw(st.booleans()):
+        run_policy["activeDeadlineSeconds"] = draw(st.integers(1, 400))
+    if draw(st.booleans()):
+        run_policy["ttlSecondsAfterFinished"] = draw(st.integers(0, 300))
     status: dict[str, Any] | None = None
     generation = draw(st.integers(0, 3))
     if draw(st.integers(0, 4)) > 0:
         size = draw(st.integers(MIN, MAX))
         since = draw(st.floats(0, 200))
         status = {
-            "phase": draw(st.sampled_from(["Pending", "Running", "Restarting"])),
+            "phase": draw(st.sampled_from(["Pending", "Running", "Restarting", "Succeeded", "Failed"])),
             "generation": generation,
             "replicas": size,
             "restarts": draw(st.integers(0, max_restarts)),
@@ -81,8 +94,12 @@ def observations(draw: st.DrawFn) -> Observed:
         }  # fmt: skip
         if draw(st.booleans()):
             status["lastCheckpoint"] = {"step": draw(st.integers(1, 50)), "time": to_rfc3339(at(since + 1))}
+        if status["phase"] in {"Succeeded", "Failed"}:
+            status["completionTime"] = to_rfc3339(at(draw(st.floats(0, 300))))
+        if draw(st.booleans()):
+            status["lastProgressTime"] = to_rfc3339(at(draw(st.floats(0, 300))))
     job = make_job(replicas=replicas, min_replicas=MIN, max_replicas=MAX, max_restarts=max_restarts,
-                   status=status, elastic=elastic)  # fmt: skip
+                   status=status, elastic=elastic, runPolicy=run_policy)  # fmt: skip
     nodes = [
         make_node(f"n{i}", cpu="2", ready=draw(st.booleans())) for i in range(1, draw(st.integers(1, 3)) + 1)
     ]
@@ -138,6 +155,35 @@ def test_one_pass_never_breaks_the_invariants(obs: Observed) -> None:
         # the final step is at least the final checkpoint's (the simulation below checks it is
         # exactly the steps asked for)
         assert int(after.get("step") or 0) >= int((after.get("lastCheckpoint") or {}).get("step") or 0)
+
+
+def _decision(actions: list[Action], now: datetime) -> str:
+    """The actions as text, without what only says when the pass ran: the timestamps it writes
+    (now, to the second) and the recovery time it measures."""
+    kept = [
+        dataclasses.asdict(a) | {"kind": type(a).__name__}
+        for a in actions
+        if not isinstance(a, ObserveRecovery)
+    ]
+    return json.dumps(kept, sort_keys=True, default=str).replace(to_rfc3339(now), "<now>")
+
+
+@settings(max_examples=4 * EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(observations(), st.floats(0.0, 1.0, exclude_max=True))
+def test_nothing_changes_before_the_wake(obs: Observed, fraction: float) -> None:
+    # The timestamps a pass writes are its `now` to the second: one the job already holds could
+    # not be told from a new one.
+    assume(to_rfc3339(obs.now) not in json.dumps(obs.job) + json.dumps(obs.pods))
+    first = plan(obs, SETTINGS)
+    # No wake: time alone never changes the decision; any later moment must decide the same.
+    horizon = 1000.0 if first.wake_at is None else (first.wake_at - obs.now).total_seconds()
+    assert horizon > 0, f"a wake at {first.wake_at}, not after now {obs.now}"
+    event("wakes" if first.wake_at is not None else "no wake")
+    # Whole microseconds, rounded down: a datetime holds no less, and rounding up could reach the wake.
+    later = dataclasses.replace(obs, now=obs.now + timedelta(microseconds=int(horizon * fraction * 1e6)))
+    assert _decision(plan(later, SETTINGS).actions, later.now) == _decision(first.actions, obs.now), (
+        f"the decision changed {horizon * fraction:.3f}s after now, before the wake at {first.wake_at}"
+    )
 
 
 def _counted_failure(obs: Observed) -> bool:

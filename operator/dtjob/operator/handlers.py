@@ -2,8 +2,9 @@
 runs the job's pass on the runner's threads a moment later, together with every other trigger of
 the job meanwhile (kopf's thread returns at once).
 
-Triggers: a timer per job (notices deadlines, TTLs and capacity coming back), and any event of the
-job itself (create, spec change such as `kubectl scale`, status). Pods and nodes are not watched
+Triggers: a timer per job (`JobPassRunner.tick`: it runs a pass only when the job's last plan
+wants one by now, or after `resync_seconds`), and any event of the job itself (create, spec
+change such as `kubectl scale`, status). Pods and nodes are not watched
 through kopf: the operator's own caches (dtjob.operator.cache) watch them and trigger the job of
 a pod that changed (a worker failed, was deleted, started running) or of a lost node once they
 hold the change, so the pass they trigger sees it, and recovery starts as soon as the API server
@@ -62,7 +63,7 @@ def build_registry(runner: JobPassRunner, settings: OperatorSettings) -> kopf.Op
         runner.handed(namespace or "default", name)
         if not needs_timer(status.get("phase"), spec):
             return  # idle: only a spec change (a job event) or a pod event can change anything
-        runner.trigger_soon(namespace or "default", name)
+        runner.tick(namespace or "default", name)
 
     @kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)
     def job_event(type: str, namespace: str | None, name: str, **_: Any) -> None:

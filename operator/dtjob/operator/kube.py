@@ -247,6 +247,7 @@ class Kube:
             if w.rank != 0 or w.generation != generation:
                 continue
             if w.phase == "Succeeded":
+                self.scraper.forget((job.namespace, job.name))
                 return self._final_step(job, w.name)
             ip = (pod.get("status") or {}).get("podIP")
             uid = str((pod.get("metadata") or {}).get("uid") or "")
@@ -254,6 +255,7 @@ class Kube:
                 target = Target(uid, f"http://{ip}:{job.metrics_port}/metrics")
                 deadline = job.progress_deadline_seconds
                 return self.scraper.latest((job.namespace, job.name), target, deadline)
+        self.scraper.forget((job.namespace, job.name))  # no rank 0 runs: nothing to scrape
         return None
 
     def _final_step(self, job: JobView, pod: str) -> TrainerProgress | None:
@@ -346,6 +348,7 @@ class Kube:
                     raise JobChanged(f"{ns}/{name} changed since the pass read it") from None
                 if isinstance(written, dict):
                     self.cache.assume_job(written)
+                _log_waiting(ns, name, job.status, status)
             case CreateService(manifest=manifest):
                 services = f"/api/v1/namespaces/{quoted(ns)}/services"
                 try:
@@ -442,6 +445,23 @@ def describe_action(action: Action) -> str:
             return f"posting event {reason}"
         case _:
             return f"recording {type(action).__name__}"
+
+
+def _log_waiting(ns: str, name: str, before: Mapping[str, Any], patch: Mapping[str, Any]) -> None:
+    """A log line when the job starts waiting for something else (condition Waiting's reason):
+    what a stuck job waits for shows in the operator's log, not only on the job."""
+
+    def waiting(conditions: Any) -> tuple[str, str] | None:
+        for c in conditions or []:
+            if c.get("type") == "Waiting":
+                return (c.get("reason") or "", c.get("message") or "") if c.get("status") == "True" else None
+        return None
+
+    if "conditions" not in patch:
+        return
+    now, then = waiting(patch["conditions"]), waiting(before.get("conditions"))
+    if now is not None and (then is None or then[0] != now[0]):
+        log.info("%s/%s: %s", ns, name, now[1])
 
 
 def request_kind(method: str, url: str) -> tuple[str, str]:

@@ -43,11 +43,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--metrics-port", type=int, default=d.metrics_port, metavar="PORT",
                         help="port of the operator's /metrics (0: none)")  # fmt: skip
     parser.add_argument("--interval", type=float, default=d.interval_seconds, metavar="SECONDS",
-                        help="reconcile every job at least this often")  # fmt: skip
+                        help="timer period of a job: a tick reconciles it when a pass is due")  # fmt: skip
     parser.add_argument("--verbose", "-v", action="store_true", help="debug logging")
     tuning = parser.add_argument_group("tuning (each flag sets a field of dtjob.operator.settings)")
     for flag, kind, default, text in (
         ("--max-workers", int, d.max_workers, "threads running passes: jobs reconciled at once"),
+        ("--resync-seconds", float, d.resync_seconds,
+         "reconcile every job at least this often, even when no event nor deadline comes"),
         ("--trigger-delay-seconds", float, d.trigger_delay_seconds,
          "a watched change runs its job's pass this much later, with the changes meanwhile"),
         ("--grow-hold-seconds", float, r.grow_hold_seconds, "a gang runs this long at a size before growing"),
@@ -96,6 +98,7 @@ def build_settings(args: argparse.Namespace, env: Mapping[str, str]) -> Operator
         interval_seconds=args.interval,
         max_workers=args.max_workers,
         trigger_delay_seconds=args.trigger_delay_seconds,
+        resync_seconds=args.resync_seconds,
         verbose=args.verbose,
         reconciler=ReconcilerSettings(
             grow_hold_seconds=args.grow_hold_seconds,

@@ -34,13 +34,19 @@ Whenever a rule holds something back, the condition Waiting says what for (old w
 workers to run, capacity, a checkpoint, rank 0's metrics, suspend to end, a valid spec). A
 Volcano job's PodGroup follows the generation (minMember = its world size, see gang.py), and the
 scheduler's view of it is the job's GangScheduled condition.
+
+`plan()` also says when the next pass is needed without any event (controller-runtime's
+RequeueAfter): `Plan.wake_at`, the first moment at which time alone changes the decision (a
+deadline, a TTL, a hold, a grace period running out), and `Plan.poll`, set while the decision
+waits on what no watch of the operator announces (capacity that other jobs free, Volcano's
+queue). Every other change comes as an event: a pod, a node, the job's spec, rank 0's new step.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from dtjob import contract
@@ -83,6 +89,17 @@ WAITING = "Waiting"
 # Failures named one by one in a message; beyond them, the message counts the rest.
 LISTED = 3
 EXIT_PEER_LOST = contract.EXIT_PEER_LOST
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A pass's decision: the actions, and when the job needs its next pass if nothing happens."""
+
+    actions: list[Action]
+    # The first moment after `now` at which time alone changes the decision (None: never).
+    wake_at: datetime | None = None
+    # Waiting on a change no watch announces (capacity, a Volcano queue): look again periodically.
+    poll: bool = False
 
 
 @dataclass(frozen=True)
@@ -221,10 +238,20 @@ class _Pass:
     actions: list[Action] = field(default_factory=list)
     events: list[EmitEvent] = field(default_factory=list)
     waiting: tuple[str, str] | None = None  # (reason, message) of the Waiting condition
+    wake: datetime | None = None  # see Plan.wake_at
+    poll: bool = False  # see Plan.poll
 
     @property
     def now(self) -> datetime:
         return self.obs.now
+
+    def wake_at(self, moment: datetime, strict: bool = False) -> None:
+        """Time alone changes this pass's decision at `moment`, or just after it for a rule that
+        compares with `>` (`strict`); ignored when that is not in the future."""
+        if strict:
+            moment += timedelta(microseconds=1)
+        if moment > self.now and (self.wake is None or moment < self.wake):
+            self.wake = moment
 
     def condition(self, ctype: str) -> dict[str, Any] | None:
         for cond in self.status.get("conditions") or []:
@@ -271,6 +298,7 @@ class _Pass:
         since = _condition_time(node.get("status") or {}, "Ready", value=None)
         if w.scheduled is None or since is None or w.scheduled <= since:
             return True
+        self.wake_at(w.scheduled + timedelta(seconds=self.settings.node_view_lag_seconds))
         return (self.now - w.scheduled).total_seconds() >= self.settings.node_view_lag_seconds
 
     def delete(self, w: Worker, reason: str, grace_seconds: int | None = None) -> None:
@@ -286,9 +314,14 @@ class _Pass:
 
 def reconcile(obs: Observed, settings: ReconcilerSettings) -> list[Action]:
     """Decide what to do about one job. Pure: same observation and settings, same actions."""
+    return plan(obs, settings).actions
+
+
+def plan(obs: Observed, settings: ReconcilerSettings) -> Plan:
+    """`reconcile`'s actions, and when the job needs its next pass if nothing happens."""
     job = JobView(obs.job)
     if job.deleting:
-        return []  # garbage collection removes the children through their owner references
+        return Plan([])  # garbage collection removes the children through their owner references
     p = _Pass(obs, settings, job, _copy_status(job.status))
     workers = [Worker.of(pod) for pod in obs.pods]
 
@@ -358,7 +391,7 @@ def _copy_status(status: Mapping[str, Any]) -> dict[str, Any]:
     return copied
 
 
-def _finish(p: _Pass) -> list[Action]:
+def _finish(p: _Pass) -> Plan:
     """The status patch (when anything changed), then the events, then the other actions."""
     if p.waiting is not None:
         p.set_condition(WAITING, True, *p.waiting)
@@ -370,7 +403,7 @@ def _finish(p: _Pass) -> list[Action]:
         changed.pop("conditions")
     head: list[Action] = [PatchStatus(changed)] if changed else []
     # Events right after the status they explain: a later action failing must not swallow them.
-    return [*head, *p.events, *p.actions]
+    return Plan([*head, *p.events, *p.actions], p.wake, p.poll)
 
 
 def _start(p: _Pass) -> None:
@@ -392,7 +425,10 @@ def _start(p: _Pass) -> None:
 def _deadline_passed(p: _Pass) -> bool:
     deadline = p.job.active_deadline_seconds
     started = from_rfc3339(p.status.get("startTime"))
-    return deadline is not None and started is not None and (p.now - started).total_seconds() > deadline
+    if deadline is None or started is None:
+        return False
+    p.wake_at(started + timedelta(seconds=deadline), strict=True)
+    return (p.now - started).total_seconds() > deadline
 
 
 def _fail(p: _Pass, workers: Sequence[Worker], reason: str, message: str) -> None:
@@ -427,7 +463,10 @@ def _clean_up_finished(p: _Pass, workers: Sequence[Worker]) -> None:
             p.actions.append(DeletePod(w.name, f"job finished, cleanPodPolicy={policy}"))
     ttl = p.job.ttl_seconds_after_finished
     done = from_rfc3339(p.status.get("completionTime"))
-    if ttl is not None and done is not None and (p.now - done).total_seconds() >= ttl:
+    if ttl is None or done is None:
+        return
+    p.wake_at(done + timedelta(seconds=ttl))
+    if (p.now - done).total_seconds() >= ttl:
         p.actions.append(DeleteJob(f"finished {ttl}s ago (ttlSecondsAfterFinished)"))
 
 
@@ -458,6 +497,7 @@ def _target_size(p: _Pass) -> int:
             f"waiting for capacity at {size} workers",
         )
         p.wait("Capacity", f"waiting for capacity: {fits} workers fit, minReplicas is {job.min_replicas}")
+        p.poll = True
     else:
         p.set_condition("Schedulable", True, "Fits", f"{fits} workers fit on Ready nodes")
     return size
@@ -577,8 +617,12 @@ def _decide(p: _Pass, current: Sequence[Worker], workers: Sequence[Worker]) -> b
 def _maybe_shrink(p: _Pass, unscheduled: Sequence[Worker], workers: Sequence[Worker], size: int) -> bool:
     job = p.job
     waiting_since = min((w.created for w in unscheduled if w.created), default=None)
-    if waiting_since is None or (p.now - waiting_since).total_seconds() < job.scheduling_timeout_seconds:
+    if waiting_since is None:
         return False
+    p.wake_at(waiting_since + timedelta(seconds=job.scheduling_timeout_seconds))
+    if (p.now - waiting_since).total_seconds() < job.scheduling_timeout_seconds:
+        return False
+    p.poll = True  # past the timeout, what fits changes with the other jobs' pods
     fits = _capacity(p)
     if job.uses_podgroup and fits >= size:
         # Volcano places the gang whole or not at all, and the nodes have room for it: what
@@ -628,9 +672,12 @@ def _maybe_rescale(p: _Pass, workers: Sequence[Worker], size: int) -> bool:
     target = min(desired, fits)
     if target <= size:
         p.wait("Capacity", f"waiting for capacity to grow from {size} to {desired} workers: {fits} fit")
+        p.poll = True
         return False
     running_since = from_rfc3339((p.condition(RUNNING) or {}).get("lastTransitionTime"))
     hold = p.settings.grow_hold_seconds
+    if running_since is not None:
+        p.wake_at(running_since + timedelta(seconds=hold))
     if running_since is not None and (p.now - running_since).total_seconds() < hold:
         # No running seconds in the message: it would change (a status write) on every pass.
         p.wait(
@@ -754,6 +801,7 @@ def _read_gang(p: _Pass, current: Sequence[Worker]) -> None:
         return  # a finished job keeps the view of its last run (Volcano calls it Completed next)
     placing = any(w.node_name and not w.deleting for w in current)
     seen = gang.view(group, p.obs.queue, p.obs.queue_missing, placing)
+    p.poll = p.poll or not seen.scheduled  # the operator watches neither PodGroups nor queues
     before = p.condition(gang.CONDITION) or {}
     if seen.scheduled and before.get("status") != "True":
         p.event("GangScheduled", seen.message)
@@ -817,6 +865,8 @@ def _track_metrics(p: _Pass, current: Sequence[Worker], size: int) -> None:
         return
     known = p.condition(METRICS_AVAILABLE)
     running = (p.now - since).total_seconds()
+    if (known or {}).get("status") != "True":  # no answer yet: NoMetrics once the grace ends
+        p.wake_at(since + timedelta(seconds=p.settings.metrics_grace_seconds))
     seen = metrics_availability(
         p.obs.progress, known, running, p.settings.metrics_grace_seconds, p.job.metrics_port
     )
@@ -831,7 +881,10 @@ def _stalled(p: _Pass, current: Sequence[Worker], size: int) -> Failure | None:
     if deadline is None or since is None or not publishes_step(p.condition(METRICS_AVAILABLE)):
         return None
     stalled = stalled_for(p.now, from_rfc3339(p.status.get("lastProgressTime")), since)
-    if stalled is None or stalled <= deadline:
+    if stalled is None:
+        return None
+    p.wake_at(p.now + timedelta(seconds=deadline - stalled), strict=True)
+    if stalled <= deadline:
         return None
     rank0 = next((w for w in current if w.rank == 0), current[0])
     message = (

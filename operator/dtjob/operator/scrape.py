@@ -2,9 +2,11 @@
 
 A pass asks `Scraper.latest(job, target)` for what rank 0 (`target`: its pod's uid and address)
 last answered, which returns at once, and which schedules a fresh scrape when the last one is
-older than `scrape_interval_seconds` and none is in flight. Scrapes run on a pool of
-`scrape_workers` threads, each bounded by `metrics_timeout_seconds`; an answer that differs from
-the one before triggers a pass of the job, so a new step shows without waiting for the timer.
+older than `scrape_interval_seconds` and none is in flight. From then on the target is scraped on
+its own, each scrape scheduling the next, until a pass asks for another target or `forget`s the
+job (its rank 0 no longer runs): no pass runs only to keep the scrapes going. Scrapes run on a
+pool of `scrape_workers` threads, each bounded by `metrics_timeout_seconds`; an answer that
+differs from the one before triggers a pass of the job, so a new step shows at once.
 
 A rank 0 that does not answer (a trainer still importing torch, one that publishes nothing, or a
 simulated pod whose address no host answers) is asked again after 1 s, then 2 s, up to
@@ -19,6 +21,7 @@ Results belong to one target: a new generation's rank 0 (another pod uid) starts
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -27,6 +30,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from dtjob.operator.coalescer import Later
 from dtjob.operator.progress import TrainerProgress
 from dtjob.operator.settings import ObserverSettings
 
@@ -43,6 +47,7 @@ class Target:
 @dataclass
 class _State:
     target: Target
+    progress_deadline: float | None = None
     result: TrainerProgress | None = None
     answered: bool = False
     last_try: float = float("-inf")  # monotonic
@@ -64,11 +69,14 @@ class Scraper:
         on_change: Callable[[str, str], None] | None = None,
         fetch: Callable[[str, float], TrainerProgress] = _scrape,
         clock: Callable[[], float] = time.monotonic,
+        schedule: Callable[[float, Callable[[], object]], None] | None = None,
     ) -> None:
         self.settings = settings
         self.on_change = on_change
         self._fetch = fetch
         self._clock = clock
+        # Runs the next scrape of a target `delay` seconds later (a test passes its own).
+        self._schedule = schedule if schedule is not None else Later("scrape-next").call
         self._lock = threading.Lock()
         self._jobs: dict[JobKey, _State] = {}
         self._pool = ThreadPoolExecutor(settings.scrape_workers, thread_name_prefix="scrape")
@@ -82,20 +90,32 @@ class Scraper:
             state = self._jobs.get(job)
             if state is None or state.target != target:
                 state = self._jobs[job] = _State(target)
-            wait = self._wait(state.failures)
-            if progress_deadline is not None:
-                wait = min(wait, max(self.settings.scrape_interval_seconds, progress_deadline / 4))
-            due = state.last_try + wait
-            if not state.in_flight and self._clock() >= due:
-                state.in_flight = True
-                state.last_try = self._clock()
-                self._pool.submit(self._run, job, state)
+            state.progress_deadline = progress_deadline
+            self._start_if_due(job, state)
             return state.result if state.answered else None
 
-    def _wait(self, failures: int) -> float:
-        if failures == 0:
-            return self.settings.scrape_interval_seconds
-        return float(min(self.settings.scrape_backoff_max_seconds, 2 ** (failures - 1)))
+    def _wait(self, state: _State) -> float:
+        """Seconds between two scrapes of this target."""
+        if state.failures == 0:
+            wait = self.settings.scrape_interval_seconds
+        else:
+            wait = float(min(self.settings.scrape_backoff_max_seconds, 2 ** (state.failures - 1)))
+        if state.progress_deadline is not None:
+            wait = min(wait, max(self.settings.scrape_interval_seconds, state.progress_deadline / 4))
+        return wait
+
+    def _start_if_due(self, job: JobKey, state: _State) -> None:
+        """Under the lock: submit a scrape of `state` when one is due and none is in flight."""
+        if not state.in_flight and self._clock() >= state.last_try + self._wait(state):
+            state.in_flight = True
+            state.last_try = self._clock()
+            self._pool.submit(self._run, job, state)
+
+    def _next(self, job: JobKey, state: _State) -> None:
+        """The scheduled next scrape: only while `state` is still the job's target."""
+        with self._lock:
+            if self._jobs.get(job) is state:
+                self._start_if_due(job, state)
 
     def forget(self, job: JobKey) -> None:
         with self._lock:
@@ -111,11 +131,16 @@ class Scraper:
             result = None
         with self._lock:
             state.in_flight = False
+            changed = result is not None and (not state.answered or state.result != result)
             if result is None:
                 state.failures += 1
-                return
-            changed = not state.answered or state.result != result
-            state.failures, state.result, state.answered = 0, result, True
+            else:
+                state.failures, state.result, state.answered = 0, result, True
             current = self._jobs.get(job) is state
-        if changed and current and self.on_change is not None:
+            wait = self._wait(state)
+        if not current:
+            return
+        # 10 ms late: the scheduler may wake a little early, and the scrape would not be due yet.
+        self._schedule(wait + 0.01, functools.partial(self._next, job, state))
+        if changed and self.on_change is not None:
             self.on_change(*job)

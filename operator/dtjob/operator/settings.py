@@ -147,9 +147,16 @@ class OperatorSettings:
     """Port of the operator's own /metrics; 0: none. The trainer's is 9400 inside each pod."""
 
     interval_seconds: float = 5.0
-    """Every job is reconciled at least this often even when nothing happens, to read the
-    trainer's step and notice deadlines, TTLs and capacity coming back (pod changes and nodes
-    turning NotReady trigger a pass at once)."""
+    """kopf's timer period per job. A tick runs a pass only when one is due: a deadline, TTL,
+    hold or grace period the last pass named (those also get a pass of their own at that
+    moment), resync_seconds since the last pass, or, while the job waits on what no watch
+    announces (capacity freed by other jobs, a Volcano queue), every tick. Pod changes, nodes
+    turning NotReady, spec changes and rank 0's new steps trigger a pass at once."""
+
+    resync_seconds: float = 60.0
+    """Every job is reconciled at least this often even when nothing happens: the safety net
+    under the watches and the plan's wake-ups. 200 running jobs at 60 s cost 3 passes a
+    second, against 40 when every 5 s tick ran one."""
 
     max_workers: int = 16
     """Threads running passes: one pass per job at a time, this many jobs at once."""
@@ -176,6 +183,11 @@ class OperatorSettings:
 
     def __post_init__(self) -> None:
         _check_positive(self, "interval_seconds", "max_workers")
+        if self.resync_seconds < self.interval_seconds:
+            raise ValueError(
+                f"OperatorSettings.resync_seconds ({self.resync_seconds}) must be >= interval_seconds "
+                f"({self.interval_seconds}): the timer's tick is what runs the resync"
+            )
         if self.trigger_delay_seconds < 0:
             raise ValueError(
                 f"OperatorSettings.trigger_delay_seconds must be >= 0, got {self.trigger_delay_seconds!r}"
