@@ -1,12 +1,14 @@
 """The gang watches itself: a rank that goes silent is found in seconds, not at the collective timeout.
 
 Every rank runs a daemon thread with its own connection to the rendezvous store (rank 0's
-TCPStore, or torchrun's agent store). Once a second it counts its own beat up and reads the beat
-of the next rank (rank + 1 mod world), three non-blocking store operations per rank per second,
-so a gang of 1,024 ranks costs the store about 3,000 small operations a second. A rank whose beat
-has not moved for `timeout` seconds (on the watcher's own clock: no clock skew between hosts
-matters), or a store that has not answered for that long (rank 0 itself lost, or this pod cut off
-the network), is lost: the watcher names it in the store, every rank sees the name within a
+TCPStore, or torchrun's agent store). Every beat (an eighth of the timeout, at most a second) it
+counts its own beat up and reads the beat of the next rank (rank + 1 mod world), three
+non-blocking store operations per rank and beat, so a gang of 1,024 ranks at the default 10 s
+timeout costs the store about 3,000 small operations a second. A rank whose beat has not moved
+for `timeout` seconds (on the watcher's own clock: no clock skew between hosts matters), or a
+store that has not answered for that long (rank 0 itself lost, or this pod cut off the
+network), is lost, found at most a beat after the timeout (a beat seen late) plus the time a
+round takes: the watcher names it in the store, every rank sees the name within a
 second, logs the contract's peer-lost line and exits EXIT_PEER_LOST, so the operator restarts the
 gang at once instead of the survivors waiting in a collective for `collective_timeout`.
 
@@ -41,7 +43,11 @@ from dtjob import contract
 
 log = logging.getLogger("dtjob.trainer")
 
+# The longest beat; a shorter timeout beats faster (timeout / 8): the watcher sees a peer's last
+# beat up to a beat late, so a lost rank is found within 1.125 timeouts (4.5 s at 4 s; at 1 s
+# beats, 4 s found hangs 4.6-6.1 s after the fault in the chaos runs).
 INTERVAL_SECONDS = 1.0
+BEATS_PER_TIMEOUT = 8
 
 
 class _Calls:
@@ -71,6 +77,7 @@ class _Calls:
 class Heartbeat:
     def __init__(self, host: str, port: int, rank: int, world_size: int, prefix: str, timeout: float) -> None:
         self.rank, self.world_size, self.timeout = rank, world_size, timeout
+        self.interval = min(INTERVAL_SECONDS, timeout / BEATS_PER_TIMEOUT)
         self.next_rank = (rank + 1) % world_size
         self._prefix = prefix
         # Its own connection. A store whose process is stopped (SIGSTOP) keeps the socket open
@@ -81,7 +88,7 @@ class Heartbeat:
             port,
             world_size,
             is_master=False,
-            timeout=timedelta(seconds=2 * INTERVAL_SECONDS),
+            timeout=timedelta(seconds=2 * self.interval),
             wait_for_workers=False,
         )
         self._io = _Calls()
@@ -107,13 +114,18 @@ class Heartbeat:
         self._stop.set()
         done = self._io.submit(self._store.add, self._key("done", self.rank), 1)
         with contextlib.suppress(RuntimeError, OSError, FutureTimeout):  # the store may be gone
-            done.result(timeout=2 * INTERVAL_SECONDS)
+            done.result(timeout=2 * self.interval)
+
+    @property
+    def verdict_seconds(self) -> float:
+        """The longest a verdict takes once a peer is gone: the timeout and two beats."""
+        return self.timeout + 2 * self.interval
 
     def await_verdict(self, stopped: Callable[[], bool]) -> None:
         """Give the heartbeat the time to name a lost peer (it then ends the process with
-        EXIT_PEER_LOST): up to the timeout and two beats, less when `stopped()` turns true (a
-        SIGTERM: the operator already restarts the gang). Not before training runs (`arm`)."""
-        deadline = time.monotonic() + self.timeout + 2 * INTERVAL_SECONDS
+        EXIT_PEER_LOST): up to `verdict_seconds`, less when `stopped()` turns true (a SIGTERM:
+        the operator already restarts the gang). Not before training runs (`arm`)."""
+        deadline = time.monotonic() + self.verdict_seconds
         if not self._armed.is_set():
             return
         while self._thread.is_alive() and not stopped() and time.monotonic() < deadline:
@@ -131,18 +143,25 @@ class Heartbeat:
     def _run(self) -> None:
         now = time.monotonic()
         seen, seen_at, contact_at = -1, now, now
-        # A round starts a beat after the previous one started, at once after one that gave up
-        # (two beats): a store that stopped answering is given up `timeout` s after the last
-        # answer, not up to a round and a beat later (timeout 4 s, a pod cut off in the chaos
-        # run: its gang's first exit 5.4 s after the cut, 7.1-10.6 s in three runs before).
-        while not self._stop.wait(max(0.0, now + INTERVAL_SECONDS - time.monotonic())):
+        # A round starts a beat after the previous one started, or sooner when a timeout runs
+        # out before that; a round waits two beats for the store at most, and no longer than the
+        # store's own timeout leaves: a store that stopped answering is given up `timeout` s
+        # after the last answer, not up to a round and a beat later (timeout 4 s, a pod cut off
+        # in the chaos run: its gang's first exit 5.4 s after the cut, 7.1-10.6 s in three runs
+        # before).
+        slack = 0.01  # past the timeout, not at it: silence must exceed it
+        due = now
+        while not self._stop.wait(max(0.0, due - time.monotonic())):
             now = time.monotonic()
+            left = contact_at + self.timeout + slack - now
             try:
-                theirs, lost, done = self._io.submit(self._round).result(timeout=2 * INTERVAL_SECONDS)
+                round_ = self._io.submit(self._round)
+                theirs, lost, done = round_.result(timeout=max(slack, min(2 * self.interval, left)))
             except (RuntimeError, OSError, FutureTimeout):
                 silent = time.monotonic() - contact_at
                 if silent > self.timeout:  # the store is rank 0's: it is gone, or we are cut off
                     self._leave(0, silent)
+                due = min(now + self.interval, contact_at + self.timeout + slack)
                 continue
             contact_at = now
             if lost is not None:
@@ -153,6 +172,7 @@ class Heartbeat:
                 seen, seen_at = theirs, now
             elif now - seen_at > self.timeout:
                 self._declare(self.next_rank, now - seen_at)
+            due = min(now + self.interval, seen_at + self.timeout + slack)
 
     def _declare(self, rank: int, silent: float) -> None:
         def publish() -> None:
@@ -160,12 +180,12 @@ class Heartbeat:
             self._store.add(self._key("lost"), 1)
 
         with contextlib.suppress(RuntimeError, OSError, FutureTimeout):
-            self._io.submit(publish).result(timeout=2 * INTERVAL_SECONDS)
+            self._io.submit(publish).result(timeout=2 * self.interval)
         # The store may live in this process (rank 0): keep it up until every other survivor has
         # read the verdict (each reads once a beat), or they would name rank 0 instead. Of a gang
         # of two, the lost rank is the only other one: nobody is left to read it (2 s sooner).
         if self.rank == 0 and self.world_size > 2:
-            time.sleep(2 * INTERVAL_SECONDS)
+            time.sleep(2 * self.interval)
         self._leave(rank, silent)
 
     def _leave(self, rank: int, silent: float) -> None:

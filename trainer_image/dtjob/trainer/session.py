@@ -436,7 +436,7 @@ class ElasticSession:
         if self.heartbeat is not None and heartbeat.is_peer_failure(err):
             first = (str(err).strip().splitlines() or [type(err).__name__])[0]
             log.error("%s; waiting up to %.0fs for the heartbeat to name the lost rank", first,
-                      self.heartbeat.timeout + 2 * heartbeat.INTERVAL_SECONDS)  # fmt: skip
+                      self.heartbeat.verdict_seconds)  # fmt: skip
             self.heartbeat.await_verdict(lambda: self.stop.requested)
 
     def _excepthook(self, kind: type[BaseException], err: BaseException, tb: Any) -> None:
