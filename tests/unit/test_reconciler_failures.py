@@ -163,3 +163,53 @@ def test_old_generation_failures_are_not_new_failures() -> None:
     actions = run(job, old, two_nodes())
     assert "generation" not in status_patch(actions)
     assert {d.grace_seconds for d in deletes(actions)} == {0}
+
+
+def test_a_deletion_its_kubelet_leaves_unfinished_is_forced_and_the_next_gang_avoids_the_node() -> None:
+    """A node that stopped silently still looks Ready for 20-50 s: its pods' graceful deletions
+    never finish, and the scheduler would place the next gang there again."""
+    status = {**running_status(generation=1, restarts=1), "phase": "Restarting"}
+    job = make_job(status=status)
+    old = [make_pod(0, 0, node="n1", deleting=True, grace_ends=95.0),
+           make_pod(1, 0, node="n2", deleting=True, grace_ends=96.0)]  # fmt: skip
+    within = run(job, old, two_nodes(), now=99.5)  # 4.5 s past n1's grace: not yet
+    assert deletes(within) == [] and creates(within) == []
+    actions = run(job, old, two_nodes(), now=100.5)
+    assert [(d.name, d.grace_seconds) for d in deletes(actions)] == [("gpt-worker-0", 0)]
+    [silent] = [e for e in events(actions) if e.reason == "NodeSilent"]
+    assert silent.type == "Warning" and "node n1" in silent.message and "gpt-worker-0" in silent.message
+    assert status_patch(actions)["silentNodes"] == [{"name": "n1", "since": "2026-01-01T12:01:40Z"}]
+    assert creates(actions) == [], "gpt-worker-1 is still in its grace period"
+
+    # The old pods gone: the next gang avoids n1.
+    job = make_job(status={**status, **status_patch(actions)})
+    made = creates(run(job, [], two_nodes(), now=101.0))
+    assert len(made) == 4
+    for c in made:
+        affinity = c.manifest["spec"]["affinity"]["nodeAffinity"]
+        assert affinity["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"] == [
+            {"matchFields": [{"key": "metadata.name", "operator": "NotIn", "values": ["n1"]}]}
+        ]
+    # 120 s later, or once n1 turned NotReady, it is trusted again.
+    for nodes, now in ((two_nodes(), 221.0), ([make_node("n1", ready=False), make_node("n2")], 101.0)):
+        later = run(job, [], nodes, now=now)
+        assert status_patch(later).get("silentNodes") == []
+        assert all("affinity" not in c.manifest["spec"] for c in creates(later))
+
+
+def test_a_node_lost_or_deleted_pods_are_not_taken_for_a_silent_kubelet() -> None:
+    status = {**running_status(generation=1, restarts=1), "phase": "Restarting"}
+    job = make_job(status=status)
+    old = [make_pod(0, 0, node="n1", deleting=True, grace_ends=10.0)]
+    actions = run(job, old, [make_node("n1", ready=False), make_node("n2")])
+    assert [(d.name, d.grace_seconds) for d in deletes(actions)] == [("gpt-worker-0", 0)]
+    assert not [e for e in events(actions) if e.reason == "NodeSilent"], "a NotReady node is lost, not silent"
+    assert not status_patch(actions).get("silentNodes")
+
+
+def test_a_new_generation_is_sized_to_what_fits_beside_the_silent_nodes() -> None:
+    status = {**running_status(), "silentNodes": [{"name": "n1", "since": "2026-01-01T12:01:30Z"}]}
+    pods = gang(4)
+    pods[2] = make_pod(2, node="n2", phase="Failed", exit_code=1)
+    patch = status_patch(run(make_job(status=status), pods, two_nodes(), now=100.0))
+    assert patch["generation"] == 1 and patch["replicas"] == 2, "n2's 2 cpus, not n1's"

@@ -181,3 +181,21 @@ def test_integer_quantities_of_the_template_reach_the_pod_as_strings() -> None:
     resources = pod["spec"]["containers"][0]["resources"]
     assert resources == {"requests": {"cpu": "1", "nvidia.com/gpu": "1"}, "limits": {"nvidia.com/gpu": "1"}}
     assert job["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": 1}
+
+
+def test_avoided_nodes_are_anded_into_every_term_of_the_templates_node_affinity() -> None:
+    job = make_job()
+    gpu = {"key": "gpu", "operator": "In", "values": ["h200"]}
+    zone = {"key": "zone", "operator": "In", "values": ["a"]}
+    required = {"nodeSelectorTerms": [{"matchExpressions": [gpu]}, {"matchExpressions": [zone]}]}
+    job["spec"]["template"]["spec"]["affinity"] = {
+        "nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": required}
+    }
+    pod = worker_pod(JobView(job), 0, 2, 1, WorkerDefaults(), avoid_nodes=["n1", "n3"])
+    avoid = {"key": "metadata.name", "operator": "NotIn", "values": ["n1", "n3"]}
+    terms = pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert terms["nodeSelectorTerms"] == [
+        {"matchExpressions": [gpu], "matchFields": [avoid]},
+        {"matchExpressions": [zone], "matchFields": [avoid]},
+    ]
+    assert "affinity" not in worker_pod(JobView(make_job()), 0, 2, 1, WorkerDefaults())["spec"]

@@ -115,6 +115,7 @@ def observations(draw: st.DrawFn) -> Observed:
             exit_code=exit_code,
             deleting=draw(st.booleans()),
             created=draw(st.floats(0, 200)),
+            grace_ends=draw(st.floats(0, 400)),
         )
         pods.append(pod)
     progress = draw(st.none() | st.builds(TrainerProgress, step=st.none() | st.integers(0, 60),

@@ -286,6 +286,13 @@ class CheckpointStatus(ApiModel):
     time: datetime | None = Field(default=None, description="When the checkpoint was completed.")
 
 
+class SilentNode(ApiModel):
+    """A node whose kubelet did not finish a worker's deletion in time."""
+
+    name: str = Field(description="The node's name.")
+    since: datetime = Field(description="When the operator found it silent.")
+
+
 class DistributedTrainingJobStatus(ApiModel):
     """The observed state of a job; only the operator writes it."""
 
@@ -324,6 +331,14 @@ class DistributedTrainingJobStatus(ApiModel):
         default=None, description="metadata.generation of the spec the operator last acted on."
     )
     start_time: datetime | None = Field(default=None, description="When the first worker started.")
+    silent_nodes: list[SilentNode] = Field(
+        default_factory=list,
+        description=(
+            "Nodes still Ready whose kubelet left a worker's deletion unfinished past its grace "
+            "period (a node gone silent before it turns NotReady): the worker was force-deleted, "
+            "and new workers avoid these nodes for 120 s or until the node turns NotReady."
+        ),
+    )
     completion_time: datetime | None = Field(default=None, description="When the job succeeded or failed.")
 
 

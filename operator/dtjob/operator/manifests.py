@@ -9,7 +9,7 @@ worker pod").
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from decimal import Decimal
 from typing import Any
 
@@ -87,6 +87,18 @@ def _merge_env(user_env: list[dict[str, Any]], ours: list[dict[str, Any]]) -> li
     return ours + [e for e in user_env if e.get("name") not in our_names]
 
 
+def _avoid(spec: dict[str, Any], nodes: Sequence[str]) -> None:
+    """Add `metadata.name NotIn nodes` to the pod's required node affinity: to every term of the
+    template's (terms are ORed, a term's requirements ANDed), or as the only term."""
+    rule = {"key": "metadata.name", "operator": "NotIn", "values": list(nodes)}
+    affinity = spec.setdefault("affinity", {}).setdefault("nodeAffinity", {})
+    required = affinity.setdefault("requiredDuringSchedulingIgnoredDuringExecution", {})
+    terms = required.get("nodeSelectorTerms") or [{}]
+    required["nodeSelectorTerms"] = [
+        {**term, "matchFields": [*(term.get("matchFields") or []), rule]} for term in terms
+    ]
+
+
 def _checkpoint_volume(job: JobView) -> dict[str, Any] | None:
     """spec.checkpoint.volume is a Volume (with or without a name); we name it ourselves."""
     source = job.checkpoint_volume
@@ -108,9 +120,15 @@ def _run_through_launcher(container: dict[str, Any]) -> None:
 
 
 def worker_pod(
-    job: JobView, rank: int, world_size: int, generation: int, defaults: WorkerDefaults
+    job: JobView,
+    rank: int,
+    world_size: int,
+    generation: int,
+    defaults: WorkerDefaults,
+    avoid_nodes: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """The pod of one worker of one generation; `defaults` are the installer's worker defaults."""
+    """The pod of one worker of one generation; `defaults` are the installer's worker defaults,
+    `avoid_nodes` nodes it must not be placed on (required node affinity)."""
     template = copy.deepcopy(dict(job.template))
     meta = template.get("metadata") or {}
     spec: dict[str, Any] = template.get("spec") or {}
@@ -138,6 +156,8 @@ def worker_pod(
     # Workers need no API access (the operator reads their progress from their metrics port):
     # no service account token unless the template asks for one.
     spec.setdefault("automountServiceAccountToken", False)
+    if avoid_nodes:
+        _avoid(spec, avoid_nodes)
     if job.scheduler_name:
         spec["schedulerName"] = job.scheduler_name
     if job.priority_class_name:

@@ -16,7 +16,9 @@ The rules, in the order they are checked:
 4. suspend deletes the pods gracefully (the trainer checkpoints and exits 75); resuming starts a
    new generation, not counted as a restart.
 5. Pods of an older generation are deleted; the new generation's pods are created only after the
-   old ones are gone (they share names, and the old rank 0 owns MASTER_ADDR until it exits).
+   old ones are gone (they share names, and the old rank 0 owns MASTER_ADDR until it exits). A
+   deletion that a Ready node's kubelet leaves unfinished 5 s past its grace period (a node gone
+   silent, not NotReady yet) is forced, and new workers avoid that node (status.silentNodes).
 6. In the current generation: a permanent exit code fails the job; all workers exiting 0 succeeds
    it; a failed, deleted or node-lost worker, survivors exiting 76 (a lost peer, named from their
    logs), or a step that did not advance for progressDeadlineSeconds start a new generation
@@ -86,6 +88,12 @@ FAILURE_REASONS = {
     "WorkerFailed", "WorkerDeleted", "NodeLost", "WorkerStopped", "PeerLost", "ProgressDeadlineExceeded"
 }  # fmt: skip
 WAITING = "Waiting"
+# A kubelet kills a deleted pod's containers at the end of its grace period and the pod is gone
+# within about a second; 5 s later (a loaded node's kubelet: 1-2 s) it is taken for silent. Its
+# node is avoided by new workers for 120 s (a silent node turns NotReady within the node
+# controller's grace, 20 s here and 40-50 s on a default cluster), or until it turns NotReady.
+SILENT_KUBELET_SECONDS = 5
+SILENT_NODE_AVOID_SECONDS = 120
 # Failures named one by one in a message; beyond them, the message counts the rest.
 LISTED = 3
 EXIT_PEER_LOST = contract.EXIT_PEER_LOST
@@ -170,6 +178,9 @@ class Worker:
     message: str | None = None  # the trainer container's termination message
     preempted: str | None = None  # the scheduler's message when it preempted the pod
     scheduled: datetime | None = None  # when a scheduler bound it to its node
+    # The end of its deletion's grace period (the API server's deletionTimestamp): past it the
+    # kubelet kills the containers and removes the pod at once.
+    deletion_deadline: datetime | None = None
 
     @classmethod
     def of(cls, pod: Mapping[str, Any]) -> Worker:
@@ -195,6 +206,7 @@ class Worker:
             message=message,
             preempted=gang.preempted(pod),
             scheduled=_condition_time(status, "PodScheduled"),
+            deletion_deadline=from_rfc3339(meta.get("deletionTimestamp")),
         )
 
     @property
@@ -240,6 +252,8 @@ class _Pass:
     waiting: tuple[str, str] | None = None  # (reason, message) of the Waiting condition
     wake: datetime | None = None  # see Plan.wake_at
     poll: bool = False  # see Plan.poll
+    # status.silentNodes still avoided: node name -> since (RFC 3339), see _silent_nodes
+    silent: dict[str, str] = field(default_factory=dict)
 
     @property
     def now(self) -> datetime:
@@ -304,12 +318,35 @@ class _Pass:
     def delete(self, w: Worker, reason: str, grace_seconds: int | None = None) -> None:
         """Delete gracefully (SIGTERM: the trainer checkpoints; grace_seconds None is the pod's
         own grace period), or force when nobody is left to run a graceful deletion: the pod
-        already ended, or its node is lost (a graceful deletion on a dead node would never
-        complete and keep the pod's name taken)."""
+        already ended, its node is lost (a graceful deletion on a dead node would never
+        complete and keep the pod's name taken), or its node's kubelet is silent."""
         if w.terminal or self.node_lost(w):
             self.actions.append(DeletePod(w.name, reason, grace_seconds=0))
+        elif w.deleting and self.kubelet_silent(w):
+            late = SILENT_KUBELET_SECONDS
+            self.actions.append(DeletePod(w.name, f"{reason}; its kubelet is silent", grace_seconds=0))
+            self.event(
+                "NodeSilent",
+                f"node {w.node_name} left the deletion of {w.name} unfinished {late}s past its grace "
+                f"period: deleted without it, and new workers avoid the node for "
+                f"{SILENT_NODE_AVOID_SECONDS}s or until it turns NotReady",
+                warning=True,
+            )
+            self.silent.setdefault(str(w.node_name), to_rfc3339(self.now))
         elif not w.deleting:
             self.actions.append(DeletePod(w.name, reason, grace_seconds=grace_seconds))
+
+    def kubelet_silent(self, w: Worker) -> bool:
+        """Whether w's node, Ready in this view, left its deletion unfinished SILENT_KUBELET_SECONDS
+        past the grace period (a kubelet kills and removes a pod at its deadline, within about a
+        second): a node gone silent that has not turned NotReady yet (20-50 s later)."""
+        if w.deletion_deadline is None or not w.node_name:
+            return False
+        if w.node_name in self.silent:
+            return True
+        due = w.deletion_deadline + timedelta(seconds=SILENT_KUBELET_SECONDS)
+        self.wake_at(due)
+        return self.now >= due
 
 
 def reconcile(obs: Observed, settings: ReconcilerSettings) -> list[Action]:
@@ -345,6 +382,7 @@ def plan(obs: Observed, settings: ReconcilerSettings) -> Plan:
     if p.condition("Valid") is not None:
         p.set_condition("Valid", True, "Valid", "the spec passes every rule")
 
+    _silent_nodes(p)
     if not obs.service_exists:
         p.actions.append(CreateService(manifests.headless_service(job)))
     if not p.status.get("phase"):
@@ -393,6 +431,8 @@ def _copy_status(status: Mapping[str, Any]) -> dict[str, Any]:
 
 def _finish(p: _Pass) -> Plan:
     """The status patch (when anything changed), then the events, then the other actions."""
+    if p.silent or p.status.get("silentNodes"):
+        p.status["silentNodes"] = [{"name": n, "since": t} for n, t in sorted(p.silent.items())]
     if p.waiting is not None:
         p.set_condition(WAITING, True, *p.waiting)
     elif (p.condition(WAITING) or {}).get("status") == "True":
@@ -479,8 +519,23 @@ def _suspend(p: _Pass, workers: Sequence[Worker]) -> None:
     p.wait("Suspended", f"waiting for spec.runPolicy.suspend to be false{stopping}")
 
 
+def _silent_nodes(p: _Pass) -> None:
+    """The nodes of status.silentNodes new workers still avoid: Ready, and found silent less than
+    SILENT_NODE_AVOID_SECONDS ago (a NotReady node is avoided by the scheduler itself)."""
+    ready = {(n.get("metadata") or {}).get("name") for n in p.obs.nodes if node_is_ready(n)}
+    for entry in p.status.get("silentNodes") or []:
+        since = from_rfc3339(entry.get("since"))
+        if since is None or entry.get("name") not in ready:
+            continue
+        until = since + timedelta(seconds=SILENT_NODE_AVOID_SECONDS)
+        p.wake_at(until)
+        if p.now < until:
+            p.silent[str(entry["name"])] = str(entry["since"])
+
+
 def _capacity(p: _Pass) -> int:
-    return workers_that_fit(p.job.name, p.job.template, p.obs.nodes, p.obs.node_pods)
+    nodes = [n for n in p.obs.nodes if (n.get("metadata") or {}).get("name") not in p.silent]
+    return workers_that_fit(p.job.name, p.job.template, nodes, p.obs.node_pods)
 
 
 def _target_size(p: _Pass) -> int:
@@ -774,7 +829,9 @@ def _converge_pods(p: _Pass, workers: Sequence[Worker], current: Sequence[Worker
     present = {w.rank for w in current}
     for rank in range(size):
         if rank not in present:
-            manifest = manifests.worker_pod(job, rank, size, generation, p.settings.workers)
+            manifest = manifests.worker_pod(
+                job, rank, size, generation, p.settings.workers, avoid_nodes=sorted(p.silent)
+            )
             p.actions.append(CreatePod(manifest))
 
     running = [w for w in current if w.phase == "Running" and not w.deleting]
