@@ -112,10 +112,17 @@ class Scraper:
             self._pool.submit(self._run, job, state)
 
     def _next(self, job: JobKey, state: _State) -> None:
-        """The scheduled next scrape: only while `state` is still the job's target."""
+        """The scheduled next scrape: only while `state` is still the job's target, and none is
+        in flight (that one schedules the next); not due yet (a pass's scrape came between), it
+        is scheduled again for when it is."""
         with self._lock:
-            if self._jobs.get(job) is state:
+            if self._jobs.get(job) is not state or state.in_flight:
+                return
+            left = state.last_try + self._wait(state) - self._clock()
+            if left <= 0:
                 self._start_if_due(job, state)
+                return
+        self._schedule(left + 0.01, functools.partial(self._next, job, state))
 
     def forget(self, job: JobKey) -> None:
         with self._lock:
