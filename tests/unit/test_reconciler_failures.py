@@ -171,12 +171,13 @@ def test_a_deletion_its_kubelet_leaves_unfinished_is_forced_and_the_next_gang_av
     status = {**running_status(generation=1, restarts=1), "phase": "Restarting"}
     job = make_job(status=status)
     old = [make_pod(0, 0, node="n1", deleting=True, grace_ends=95.0),
-           make_pod(1, 0, node="n2", deleting=True, grace_ends=96.0)]  # fmt: skip
-    within = run(job, old, two_nodes(), now=99.5)  # 4.5 s past n1's grace: not yet
+           make_pod(1, 0, node="n2", deleting=True, grace_ends=96.0),
+           make_pod(2, 0, node="n1", deleting=True, grace_ends=94.0)]  # fmt: skip
+    within = run(job, old[:2], two_nodes(), now=99.5)  # 4.5 s past n1's grace: not yet
     assert deletes(within) == [] and creates(within) == []
     actions = run(job, old, two_nodes(), now=100.5)
-    assert [(d.name, d.grace_seconds) for d in deletes(actions)] == [("gpt-worker-0", 0)]
-    [silent] = [e for e in events(actions) if e.reason == "NodeSilent"]
+    assert [(d.name, d.grace_seconds) for d in deletes(actions)] == [("gpt-worker-0", 0), ("gpt-worker-2", 0)]
+    [silent] = [e for e in events(actions) if e.reason == "NodeSilent"]  # one per node
     assert silent.type == "Warning" and "node n1" in silent.message and "gpt-worker-0" in silent.message
     assert status_patch(actions)["silentNodes"] == [{"name": "n1", "since": "2026-01-01T12:01:40Z"}]
     assert creates(actions) == [], "gpt-worker-1 is still in its grace period"

@@ -323,16 +323,17 @@ class _Pass:
         if w.terminal or self.node_lost(w):
             self.actions.append(DeletePod(w.name, reason, grace_seconds=0))
         elif w.deleting and self.kubelet_silent(w):
-            late = SILENT_KUBELET_SECONDS
             self.actions.append(DeletePod(w.name, f"{reason}; its kubelet is silent", grace_seconds=0))
+            if w.node_name in self.silent:
+                return  # its other pods: the node was found silent before
             self.event(
                 "NodeSilent",
-                f"node {w.node_name} left the deletion of {w.name} unfinished {late}s past its grace "
-                f"period: deleted without it, and new workers avoid the node for "
+                f"node {w.node_name} left the deletion of {w.name} unfinished {SILENT_KUBELET_SECONDS}s "
+                f"past its grace period: deleted without it, and new workers avoid the node for "
                 f"{SILENT_NODE_AVOID_SECONDS}s or until it turns NotReady",
                 warning=True,
             )
-            self.silent.setdefault(str(w.node_name), to_rfc3339(self.now))
+            self.silent[str(w.node_name)] = to_rfc3339(self.now)
         elif not w.deleting:
             self.actions.append(DeletePod(w.name, reason, grace_seconds=grace_seconds))
 
