@@ -107,6 +107,20 @@ def test_observe_and_execute_on_a_real_api_server(namespace: str) -> None:
     wait_for("the pod to go", lambda: not kube.observe(job).pods, timeout=30)
 
 
+def test_a_worker_avoiding_silent_nodes_is_a_pod_the_api_server_accepts(namespace: str) -> None:
+    """status.silentNodes become required node affinity; with two nodes silent at once the API
+    server refused the first form (one NotIn of two values: a node field selector takes one)."""
+    job = make_job(namespace, "avoids")
+    term = {"matchExpressions": [{"key": "a", "operator": "DoesNotExist"}]}
+    required = {"nodeSelectorTerms": [term]}
+    job["spec"]["template"]["spec"]["affinity"] = {
+        "nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": required}
+    }
+    for avoid in (["node-1"], ["node-1", "node-2", "node-3"]):
+        pod = yaml.safe_dump(worker_pod(JobView(job), 0, 1, 0, WorkerDefaults(), avoid_nodes=avoid))
+        kubectl("create", "--dry-run=server", "-n", namespace, "-f", "-", input=pod, check=True)
+
+
 def test_a_refused_action_names_itself_and_the_server_reason(namespace: str) -> None:
     kube = Kube(OperatorMetrics(), ObserverSettings())
     job = make_job(namespace, "refused-action")

@@ -7,7 +7,7 @@ from decimal import Decimal
 import pytest
 
 from dtjob.api import DistributedTrainingJobSpec, InvalidJobError
-from dtjob.operator.capacity import workers_that_fit
+from dtjob.operator.capacity import node_admits, workers_that_fit
 from dtjob.operator.jobview import JobView
 from dtjob.operator.manifests import headless_service, podgroup, worker_pod
 from dtjob.operator.quantity import format_quantity, parse_quantity
@@ -192,10 +192,14 @@ def test_avoided_nodes_are_anded_into_every_term_of_the_templates_node_affinity(
         "nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": required}
     }
     pod = worker_pod(JobView(job), 0, 2, 1, WorkerDefaults(), avoid_nodes=["n1", "n3"])
-    avoid = {"key": "metadata.name", "operator": "NotIn", "values": ["n1", "n3"]}
+    # One requirement per node: a field selector's NotIn takes one value (the API server refuses more).
+    avoid = [{"key": "metadata.name", "operator": "NotIn", "values": [n]} for n in ("n1", "n3")]
     terms = pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
     assert terms["nodeSelectorTerms"] == [
-        {"matchExpressions": [gpu], "matchFields": [avoid]},
-        {"matchExpressions": [zone], "matchFields": [avoid]},
+        {"matchExpressions": [gpu], "matchFields": avoid},
+        {"matchExpressions": [zone], "matchFields": avoid},
     ]
+    plain = worker_pod(JobView(make_job()), 0, 2, 1, WorkerDefaults(), avoid_nodes=["n1", "n3"])
+    fits = {n: node_admits(plain, make_node(n)) for n in ("n1", "n2", "n3")}
+    assert fits == {"n1": False, "n2": True, "n3": False}
     assert "affinity" not in worker_pod(JobView(make_job()), 0, 2, 1, WorkerDefaults())["spec"]

@@ -88,14 +88,16 @@ def _merge_env(user_env: list[dict[str, Any]], ours: list[dict[str, Any]]) -> li
 
 
 def _avoid(spec: dict[str, Any], nodes: Sequence[str]) -> None:
-    """Add `metadata.name NotIn nodes` to the pod's required node affinity: to every term of the
-    template's (terms are ORed, a term's requirements ANDed), or as the only term."""
-    rule = {"key": "metadata.name", "operator": "NotIn", "values": list(nodes)}
+    """Add `metadata.name NotIn [node]` for each node to the pod's required node affinity: to
+    every term of the template's (terms are ORed, a term's requirements ANDed), or as the only
+    term. One requirement per node: the API server refuses a field selector's NotIn with more
+    than one value (found by the chaos suite, with two nodes silent at once)."""
+    rules = [{"key": "metadata.name", "operator": "NotIn", "values": [node]} for node in nodes]
     affinity = spec.setdefault("affinity", {}).setdefault("nodeAffinity", {})
     required = affinity.setdefault("requiredDuringSchedulingIgnoredDuringExecution", {})
     terms = required.get("nodeSelectorTerms") or [{}]
     required["nodeSelectorTerms"] = [
-        {**term, "matchFields": [*(term.get("matchFields") or []), rule]} for term in terms
+        {**term, "matchFields": [*(term.get("matchFields") or []), *rules]} for term in terms
     ]
 
 
