@@ -107,9 +107,10 @@ class ElasticPolicy(ApiModel):
         default=10,
         ge=1,
         le=3600,
-        description="A rank whose heartbeat (about one a second, through the rendezvous store) is "
-        "silent this long is lost: the other ranks exit 76 naming it, and the gang restarts "
-        "(counted), without waiting for a collective timeout or the node to turn NotReady. "
+        description="A rank whose heartbeat (every eighth of this, at most a second apart, "
+        "through the rendezvous store) is silent this long is lost: the other ranks exit 76 "
+        "naming it, and the gang restarts (counted), without waiting for a collective timeout "
+        "or the node to turn NotReady. "
         "Given to the trainer as DTJOB_HEARTBEAT_TIMEOUT.",
     )
     progress_deadline_seconds: int | None = Field(
