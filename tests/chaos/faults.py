@@ -13,6 +13,8 @@ Kinds (the names the suite's table uses):
     ckpt-truncate  the newest checkpoint's rank file cut to half, then a worker SIGKILLed
     ckpt-bitflip   one byte of the newest checkpoint's rank file flipped, then a worker SIGKILLed
     ckpt-manifest  the newest checkpoint's manifest.json deleted, then a worker SIGKILLed
+    apiserver      the kube-apiserver SIGKILLed while the gang trains, started again 1-3 s later
+    etcd           etcd SIGKILLed while the gang trains, started again 1-3 s later
 """
 
 from __future__ import annotations
@@ -43,8 +45,12 @@ KINDS = (
     "ckpt-truncate",
     "ckpt-bitflip",
     "ckpt-manifest",
+    "apiserver",
+    "etcd",
 )
 CHECKPOINT_KINDS = ("ckpt-truncate", "ckpt-bitflip", "ckpt-manifest")
+# The control plane going away is no failure of a job: its gang trains on, nothing restarts.
+CONTROL_PLANE = {"apiserver": "kube-apiserver", "etcd": "etcd"}
 MANIFEST = "manifest.json"  # = dtjob.trainer.checkpoint.MANIFEST (without importing torch here)
 
 
@@ -93,6 +99,15 @@ def restart_operator(op: Operator, down_seconds: float) -> None:
     op.kill()
     time.sleep(down_seconds)
     op.start()
+
+
+def restart_component(component: str, down_seconds: float) -> None:
+    """`dtjob devcluster restart COMPONENT --down S`: SIGKILLed, down S seconds, started again."""
+    done = subprocess.run(
+        [sys.executable, "-m", "dtjob.cli", "devcluster", "restart", component, f"--down={down_seconds}"],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
 
 
 def checkpoint_root(op: Operator, job: str) -> Path:

@@ -1,6 +1,8 @@
 """Chaos on the devcluster: several jobs at once (DDP, ZeRO-3, pipeline, and a DDP job scaled down
 and up with kubectl mid-run) while faults of every kind in tests/chaos/faults.py hit them, one at
-a time, at seeded random moments. A fault-free twin of each fixed-size job runs beside them.
+a time, at seeded random moments. A fault-free twin of each fixed-size job runs beside them. The
+control plane's faults (etcd, the API server) must cost the job they come beside nothing: no
+restart, no new generation.
 
 At the end every job must have Succeeded with exactly its steps, rank 0's step log must show no
 damaged checkpoint loaded, every step run twice at one world size the same loss, the final loss
@@ -20,6 +22,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -225,6 +228,37 @@ def inject(op: Operator, job: Job, kind: str, rng: random.Random, watch: ExitWat
                    exited=exited[0] if exited else None, exit_code=exited[1] if exited else None)  # fmt: skip
 
 
+def control_plane(op: Operator, job: Job, kind: str, rng: random.Random) -> Outcome:
+    """etcd or the API server SIGKILLed just after the job's gate opens, started again 1-3 s
+    later: no failure of the job. Its gang trains on to the next gate in the same generation (no
+    restart, no step lost); "training again" is the first step rank 0 logs after the fault."""
+    wait_held(op, job)
+    before_log, before_status = step_log(op, job.name), status(op, job.name)
+    gen0, last = generation_of(before_log), before_log[-1]["step"]
+    job.gate = next_gate(rng, job.gate)
+    open_gate(op, job.name, job.gate)
+    time.sleep(rng.uniform(0.0, 0.4))
+    down = rng.uniform(1.0, 3.0)
+    t0, seen = time.time(), len(step_log(op, job.name))
+    # In the background: the steps while the component is down are what counts.
+    with ThreadPoolExecutor(1) as pool:
+        restart = pool.submit(faults.restart_component, faults.CONTROL_PLANE[kind], down)
+        again = None
+        deadline = time.monotonic() + RECOVERY_TIMEOUT
+        while not restart.done() or step_log(op, job.name)[-1]["step"] < job.gate:
+            if again is None and len(step_log(op, job.name)) > seen:
+                again = time.time() - t0
+            if time.monotonic() > deadline:
+                pytest.fail(f"{job.name}: not at step {job.gate} {RECOVERY_TIMEOUT:.0f}s after {kind}")
+            time.sleep(0.1)
+        restart.result()  # its failure is the test's
+    new = step_log(op, job.name)[len(before_log) :]
+    assert all(r["generation"] == gen0 for r in new), f"{job.name}: {kind} restarted the gang: {new}"
+    assert not restarted(op, job.name, before_status), f"{job.name}: {kind} counted a restart"
+    print(f"chaos: {kind} beside {job.name} at gate {last}: trained on, next step {again}")
+    return Outcome(kind, job.name, None, again if again is not None else time.time() - t0, 0, last, None)
+
+
 def rescale(op: Operator, job: Job, replicas: int, rng: random.Random) -> Outcome:
     """kubectl scale just after the job's gate opens, the operator SIGKILLed a moment later
     (mid-rescale) and started again; waits for the new size training. A planned rescale loses no
@@ -355,6 +389,8 @@ def test_jobs_under_chaos_succeed_with_every_step_and_their_twins_loss(op: Opera
                 outcomes.append(
                     rescale(op, job, job.replicas - 1 if kind == "scale-down" else job.replicas, rng)
                 )
+            elif kind in faults.CONTROL_PLANE:
+                outcomes.append(control_plane(op, job, kind, rng))
             else:
                 outcomes.append(inject(op, job, kind, rng, watch))
     finally:
@@ -371,7 +407,10 @@ def test_jobs_under_chaos_succeed_with_every_step_and_their_twins_loss(op: Opera
             "final_loss": log[-1]["loss"], "events": sorted({e["reason"] for e in events(op, j.name)}),
         }  # fmt: skip
         assert done["step"] == steps
-        unplanned = [o for o in outcomes if o.job == j.name and not o.kind.startswith("scale-")]
+        unplanned = [
+            o for o in outcomes
+            if o.job == j.name and not o.kind.startswith("scale-") and o.kind not in faults.CONTROL_PLANE
+        ]  # fmt: skip
         assert int(done.get("restarts") or 0) >= len(unplanned), f"{j.name}: a restart not counted: {done}"
         assert_sound(j, log, steps, [o for o in outcomes if o.job == j.name])
     for j in jobs:

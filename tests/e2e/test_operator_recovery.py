@@ -4,13 +4,12 @@ checkpoint the volume refuses, etcd and the API server restarting)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 
 import pytest
 
+from tests.chaos.faults import restart_component
 from tests.e2e.conftest import Devcluster
 from tests.e2e.operator_harness import (
     SCRATCH,
@@ -136,15 +135,6 @@ def test_a_checkpoint_the_volume_refuses_shows_on_the_job_and_costs_no_restart(o
     assert (done["generation"], done["restarts"], done["step"]) == (0, 0, steps), done
     assert condition(done, "CheckpointWriteFailing")["status"] == "False", "step 9's checkpoint was written"
     assert [r["step"] for r in step_log(op, "full")] == list(range(1, steps + 1))
-
-
-def restart_component(component: str, down_seconds: float) -> None:
-    """`dtjob devcluster restart COMPONENT --down S`: SIGKILLed, down S seconds, started again."""
-    done = subprocess.run(
-        [sys.executable, "-m", "dtjob.cli", "devcluster", "restart", component, f"--down={down_seconds}"],
-        capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
 
 
 def test_etcd_and_the_api_server_restarting_mid_job_cost_no_restart(op: Operator) -> None:
