@@ -182,10 +182,10 @@ def test_a_deletion_its_kubelet_leaves_unfinished_is_forced_and_the_next_gang_av
     assert status_patch(actions)["silentNodes"] == [{"name": "n1", "since": "2026-01-01T12:01:40Z"}]
     assert creates(actions) == [], "gpt-worker-1 is still in its grace period"
 
-    # The old pods gone: the next gang avoids n1.
+    # The old pods gone: the next gang avoids n1 (and fits in n2's 2 cpus: 2 workers, not 4).
     job = make_job(status={**status, **status_patch(actions)})
     made = creates(run(job, [], two_nodes(), now=101.0))
-    assert len(made) == 4
+    assert len(made) == 2
     for c in made:
         affinity = c.manifest["spec"]["affinity"]["nodeAffinity"]
         assert affinity["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"] == [
@@ -214,3 +214,25 @@ def test_a_new_generation_is_sized_to_what_fits_beside_the_silent_nodes() -> Non
     pods[2] = make_pod(2, node="n2", phase="Failed", exit_code=1)
     patch = status_patch(run(make_job(status=status), pods, two_nodes(), now=100.0))
     assert patch["generation"] == 1 and patch["replicas"] == 2, "n2's 2 cpus, not n1's"
+
+
+def test_a_restarted_generation_shrinks_to_what_fits_beside_a_node_found_silent_before_its_pods() -> None:
+    # One 2-cpu worker per node: n1 is found silent after the restart was sized at 2 workers.
+    status = {**running_status(size=2, generation=1, restarts=1), "phase": "Restarting"}
+    job = make_job(replicas=2, min_replicas=1, max_replicas=2, cpu="2", status=status)
+    old = [make_pod(0, 0, node="n1", deleting=True, grace_ends=90.0)]
+    actions = run(job, old, two_nodes(), now=100.0)
+    assert status_patch(actions)["silentNodes"][0]["name"] == "n1" and creates(actions) == []
+    job = make_job(
+        replicas=2, min_replicas=1, max_replicas=2, cpu="2", status={**status, **status_patch(actions)}
+    )
+    actions = run(job, [], two_nodes(), now=101.0)  # the old pod gone
+    patch = status_patch(actions)
+    assert (patch["replicas"], patch["worldSize"]) == (1, 1)
+    made = creates(actions)
+    assert len(made) == 1 and env_of(made[0].manifest)["WORLD_SIZE"] == "1"
+    assert [e.reason for e in events(actions)] == ["Rescale"]
+    # Never below minReplicas: at min 2 the generation keeps its size (and waits for capacity).
+    silent = {"silentNodes": [{"name": "n1", "since": "2026-01-01T12:01:40Z"}]}
+    job = make_job(replicas=2, min_replicas=2, max_replicas=2, cpu="2", status={**status, **silent})
+    assert len(creates(run(job, [], two_nodes(), now=101.0))) == 2

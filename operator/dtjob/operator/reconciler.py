@@ -819,6 +819,8 @@ def _converge_pods(p: _Pass, workers: Sequence[Worker], current: Sequence[Worker
             f"generation {generation} (they share its pod names)",
         )
         return
+    if not current and p.silent and p.status.get("phase") == RESTARTING:
+        size = _fit_beside_silent_nodes(p, size)
 
     if job.uses_podgroup:
         # Before the generation's pods: Volcano must see their minMember before it sees them.
@@ -848,6 +850,25 @@ def _converge_pods(p: _Pass, workers: Sequence[Worker], current: Sequence[Worker
             if since is not None:
                 p.actions.append(ObserveRecovery((p.now - since).total_seconds()))
         p.set_phase(RUNNING, "Running", f"generation {generation}: all {size} workers running")
+
+
+def _fit_beside_silent_nodes(p: _Pass, size: int) -> int:
+    """A restarted generation is sized when its restart is decided, often before the lost rank's
+    node is found silent: before its pods exist, it shrinks (never below minReplicas) to what fits
+    beside the silent nodes, instead of leaving a pod unschedulable for unschedulableTimeoutSeconds
+    (60 s by default) first."""
+    fits = _capacity(p)
+    target = max(p.job.min_replicas, min(size, fits))
+    if target >= size:
+        return size
+    p.status["replicas"] = target
+    p.status["worldSize"] = target * p.job.nproc_per_worker
+    p.event(
+        "Rescale",
+        f"generation {p.status.get('generation')} starts with {target} workers, not {size}: {fits} fit "
+        f"beside the silent nodes {', '.join(sorted(p.silent))}",
+    )
+    return target
 
 
 def _read_gang(p: _Pass, current: Sequence[Worker]) -> None:
