@@ -332,8 +332,8 @@ class DistributedTrainingJobStatus(ApiModel):
         default=None, description="metadata.generation of the spec the operator last acted on."
     )
     start_time: datetime | None = Field(default=None, description="When the first worker started.")
-    silent_nodes: list[SilentNode] = Field(
-        default_factory=list,
+    silent_nodes: list[SilentNode] | None = Field(
+        default=None,
         description=(
             "Nodes still Ready whose kubelet left a worker's deletion unfinished past its grace "
             "period (a node gone silent before it turns NotReady): the worker was force-deleted, "
