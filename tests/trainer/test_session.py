@@ -75,5 +75,5 @@ def test_a_peer_killed_mid_collective_ends_a_users_script_with_the_lost_rank_nam
     gang = launch(2, args, tmp_path, "killed", command=SCRIPT, env={"DTJOB_HEARTBEAT_TIMEOUT": "4"})
     code = gang.kill_rank_1_after_three_steps()
     assert code == 76, gang.stderr(0)
-    assert "waiting up to 6s for the heartbeat" in gang.stderr(0), gang.stderr(0)
+    assert "waiting up to 5s for the heartbeat" in gang.stderr(0), gang.stderr(0)
     assert "peer lost: rank 1 silent for" in gang.stderr(0)

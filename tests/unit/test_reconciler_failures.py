@@ -191,8 +191,11 @@ def test_a_deletion_its_kubelet_leaves_unfinished_is_forced_and_the_next_gang_av
         assert affinity["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"] == [
             {"matchFields": [{"key": "metadata.name", "operator": "NotIn", "values": ["n1"]}]}
         ]
-    # 120 s later, or once n1 turned NotReady, it is trusted again.
-    for nodes, now in ((two_nodes(), 221.0), ([make_node("n1", ready=False), make_node("n2")], 101.0)):
+    # 120 s later, once n1 turned NotReady, or Ready again after a transition, it is trusted again.
+    back = make_node("n1")
+    back["status"]["conditions"][0]["lastTransitionTime"] = "2026-01-01T12:01:50Z"  # after `since`
+    for nodes, now in ((two_nodes(), 221.0), ([make_node("n1", ready=False), make_node("n2")], 101.0),
+                       ([back, make_node("n2")], 111.0)):  # fmt: skip
         later = run(job, [], nodes, now=now)
         assert status_patch(later).get("silentNodes") == []
         assert all("affinity" not in c.manifest["spec"] for c in creates(later))

@@ -521,12 +521,18 @@ def _suspend(p: _Pass, workers: Sequence[Worker]) -> None:
 
 
 def _silent_nodes(p: _Pass) -> None:
-    """The nodes of status.silentNodes new workers still avoid: Ready, and found silent less than
-    SILENT_NODE_AVOID_SECONDS ago (a NotReady node is avoided by the scheduler itself)."""
-    ready = {(n.get("metadata") or {}).get("name") for n in p.obs.nodes if node_is_ready(n)}
+    """The nodes of status.silentNodes new workers still avoid: found silent less than
+    SILENT_NODE_AVOID_SECONDS ago, and Ready without a transition since (a NotReady node is
+    avoided by the scheduler itself, and one Ready again after it was NotReady came back: no
+    pass may have run while it was NotReady, so its Ready condition's transition time tells)."""
+    nodes = {(n.get("metadata") or {}).get("name"): n for n in p.obs.nodes}
     for entry in p.status.get("silentNodes") or []:
         since = from_rfc3339(entry.get("since"))
-        if since is None or entry.get("name") not in ready:
+        node = nodes.get(entry.get("name"))
+        if since is None or node is None or not node_is_ready(node):
+            continue
+        changed = _condition_time(node.get("status") or {}, "Ready", value=None)
+        if changed is not None and changed > since:
             continue
         until = since + timedelta(seconds=SILENT_NODE_AVOID_SECONDS)
         p.wake_at(until)
