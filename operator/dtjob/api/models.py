@@ -337,7 +337,8 @@ class DistributedTrainingJobStatus(ApiModel):
         description=(
             "Nodes still Ready whose kubelet left a worker's deletion unfinished past its grace "
             "period (a node gone silent before it turns NotReady): the worker was force-deleted, "
-            "and new workers avoid these nodes for 120 s or until the node turns NotReady."
+            "and new workers avoid these nodes for 120 s, or until the node turns NotReady or is Ready "
+            "again after a transition."
         ),
     )
     completion_time: datetime | None = Field(default=None, description="When the job succeeded or failed.")
