@@ -33,7 +33,17 @@ from dtjob import contract
 from dtjob.trainer.parallel.comm import control_group
 
 _GENERATION_KEY = "dtjob/generation"
+# How often a starting worker asks DNS for its master's name (a query each time: 2,000 a second
+# from a 1,024-worker gang waiting for rank 0's record).
 _RESOLVE_RETRY_SECONDS = 0.5
+# How often it tries the master's port. torch's TCPStore client retries a refused connection only
+# every 1 s (c10d's FixedBackoff): a worker that started before rank 0 listened lost 0.5 s on
+# average in every restart (measured: 0.5 s of a 0.76 s connect). A refused connect costs the
+# master's kernel one RST: 20,000 a second from 1,023 workers for the moment before it listens.
+_PORT_RETRY_SECONDS = 0.05
+# One connect attempt's limit: a SYN lost while the pod's network comes up is sent again by the
+# kernel only after 1 s; a new attempt goes sooner (an answer on the pod network takes < 1 ms).
+_CONNECT_ATTEMPT_SECONDS = 0.25
 
 
 @dataclass(frozen=True)
@@ -99,11 +109,24 @@ def _resolve_until(host: str, deadline: float) -> None:
             time.sleep(_RESOLVE_RETRY_SECONDS)
 
 
+def _wait_for_port(host: str, port: int, deadline: float) -> None:
+    """Wait until something listens at host:port (the master's store), or the deadline passes
+    (the store client's own connect then reports the error)."""
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, port), timeout=_CONNECT_ATTEMPT_SECONDS):
+                return
+        except OSError:
+            time.sleep(_PORT_RETRY_SECONDS)
+
+
 def _connect_store(c: Gang) -> dist.TCPStore:
     deadline = time.monotonic() + c.rendezvous_timeout
     _resolve_until(c.master_addr, deadline)
     agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     is_master = c.rank == 0 and not agent_hosts_store
+    if not is_master:
+        _wait_for_port(c.master_addr, c.master_port, deadline)
     remaining = max(1.0, deadline - time.monotonic())
     try:
         return dist.TCPStore(
