@@ -107,6 +107,21 @@ def test_observe_and_execute_on_a_real_api_server(namespace: str) -> None:
     wait_for("the pod to go", lambda: not kube.observe(job).pods, timeout=30)
 
 
+def test_observe_reads_the_leases_of_silent_nodes_only(namespace: str) -> None:
+    """Observed.leases: the node Leases of status.silentNodes, as the kubelet renews them (the
+    nodelet every 4 s); a node without a Lease is left out, and no other node's is read."""
+    kube = Kube(OperatorMetrics(), ObserverSettings())
+    job = make_job(namespace, "leases")
+    nodes = sorted(n["metadata"]["name"] for n in kube.observe(job).nodes)
+    assert kube.observe(job).leases == {}, "nothing silent, nothing deleting: no Lease read"
+    job["status"] = {"silentNodes": [{"name": nodes[0], "since": "2026-01-01T00:00:00Z"},
+                                     {"name": "no-such-node", "since": "2026-01-01T00:00:00Z"}]}  # fmt: skip
+    first = kube.observe(job).leases
+    assert list(first) == [nodes[0]] and first[nodes[0]].endswith("Z")
+    wait_for("the kubelet's next renewal", lambda: kube.observe(job).leases[nodes[0]] != first[nodes[0]],
+             timeout=30)  # fmt: skip
+
+
 def test_a_worker_avoiding_silent_nodes_is_a_pod_the_api_server_accepts(namespace: str) -> None:
     """status.silentNodes become required node affinity; with two nodes silent at once the API
     server refused the first form (one NotIn of two values: a node field selector takes one)."""

@@ -148,12 +148,17 @@ def two_nodes() -> list[dict[str, Any]]:
     return [make_node("n1"), make_node("n2")]
 
 
+def observed(job: dict[str, Any], pods: list[dict[str, Any]], nodes: list[dict[str, Any]], now: float = 100.0,
+             **kw: Any) -> Observed:  # fmt: skip
+    """The observation of these objects at `now` (node_pods: the job's own pods unless given)."""
+    node_pods = kw.pop("node_pods", pods)
+    return Observed(job=job, pods=pods, nodes=nodes, now=at(now), node_pods=node_pods, **kw)
+
+
 def run(job: dict[str, Any], pods: list[dict[str, Any]], nodes: list[dict[str, Any]], now: float = 100.0,
         settings: ReconcilerSettings | None = None, **kw: Any) -> list[Action]:  # fmt: skip
     """One reconcile of this observation, with the default settings unless given."""
-    node_pods = kw.pop("node_pods", pods)
-    observed = Observed(job=job, pods=pods, nodes=nodes, now=at(now), node_pods=node_pods, **kw)
-    return reconcile(observed, settings or ReconcilerSettings())
+    return reconcile(observed(job, pods, nodes, now, **kw), settings or ReconcilerSettings())
 
 
 def status_patch(actions: list[Action]) -> dict[str, Any]:

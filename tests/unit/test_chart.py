@@ -65,8 +65,9 @@ def test_default_install_is_cluster_wide() -> None:
     docs = render()
     kinds = sorted(d["kind"] for d in docs)
     assert kinds == sorted(
-        ["ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Service", "Deployment", "ClusterKopfPeering"]
-    )
+        ["ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Service", "Deployment", "ClusterKopfPeering",
+         "Role", "RoleBinding"]
+    )  # fmt: skip
     args = operator_container(docs)["args"]
     assert "--all-namespaces" in args
     assert not [a for a in args if a.startswith("--namespace")]
@@ -83,8 +84,11 @@ def test_namespaced_install_has_a_role_per_namespace_and_reads_only_nodes_cluste
     args = operator_container(docs)["args"]
     assert "--all-namespaces" not in args
     assert [a for a in args if a.startswith("--namespace")] == ["--namespace=team-a", "--namespace=team-b"]
-    for kind in ("Role", "RoleBinding", "KopfPeering"):
-        assert sorted(d["metadata"]["namespace"] for d in docs if d["kind"] == kind) == ["team-a", "team-b"]
+    for kind in ("Role", "RoleBinding"):
+        namespaces = sorted(d["metadata"]["namespace"] for d in docs if d["kind"] == kind)
+        assert namespaces == ["kube-node-lease", "team-a", "team-b"]
+    peerings = sorted(d["metadata"]["namespace"] for d in docs if d["kind"] == "KopfPeering")
+    assert peerings == ["team-a", "team-b"]
     assert not [d for d in docs if d["kind"] == "ClusterKopfPeering"]
     # The only cluster-wide grant: reading nodes.
     cluster_role = only(docs, "ClusterRole")
@@ -115,6 +119,22 @@ def test_rbac_grants_no_wildcards_no_secrets_and_nodes_read_only() -> None:
             ), rule
             if "nodes" in rule["resources"]:
                 assert rule["verbs"] == ["list", "watch"]
+
+
+@pytest.mark.parametrize("values", [[], NAMESPACED], ids=["all-namespaces", "namespaced"])
+def test_node_leases_are_read_one_by_one_in_kube_node_lease_only(values: list[str]) -> None:
+    docs = render(*values)
+    [role] = [d for d in docs if d["kind"] == "Role" and d["metadata"]["namespace"] == "kube-node-lease"]
+    get_leases = {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get"]}
+    assert role["rules"] == [get_leases]
+    [binding] = [
+        d for d in docs if d["kind"] == "RoleBinding" and d["metadata"]["namespace"] == "kube-node-lease"
+    ]
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    operator = {"kind": "ServiceAccount", "name": "rel-dtjob", "namespace": "dtjob-system"}
+    assert binding["subjects"] == [operator]
+    leases = [r for d in docs if d["kind"].endswith("Role") for r in d["rules"] if "leases" in r["resources"]]
+    assert leases == role["rules"], "no other grant on leases, nowhere else"
 
 
 def test_volcano_podgroups_are_granted_only_when_enabled() -> None:

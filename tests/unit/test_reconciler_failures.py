@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from dtjob.operator.actions import CountRestart, ObserveRecovery
+from dtjob.operator.reconciler import SILENT_KUBELET_SECONDS, plan
+from dtjob.operator.settings import ReconcilerSettings
 from tests.unit.reconciler_fixtures import (
     creates,
     deletes,
@@ -14,6 +16,7 @@ from tests.unit.reconciler_fixtures import (
     make_job,
     make_node,
     make_pod,
+    observed,
     run,
     running_status,
     status_patch,
@@ -173,32 +176,47 @@ def test_a_deletion_its_kubelet_leaves_unfinished_is_forced_and_the_next_gang_av
     old = [make_pod(0, 0, node="n1", deleting=True, grace_ends=95.0),
            make_pod(1, 0, node="n2", deleting=True, grace_ends=96.0),
            make_pod(2, 0, node="n1", deleting=True, grace_ends=94.0)]  # fmt: skip
-    within = run(job, old[:2], two_nodes(), now=99.5)  # 4.5 s past n1's grace: not yet
+    assert SILENT_KUBELET_SECONDS == 2
+    within = run(job, old[:2], two_nodes(), now=96.5)  # 1.5 s past n1's grace: not yet
     assert deletes(within) == [] and creates(within) == []
-    actions = run(job, old, two_nodes(), now=100.5)
+    lease = "2026-01-01T12:01:33.250000Z"  # n1's kubelet renewed its Lease last before it stopped
+    actions = run(job, old, two_nodes(), now=97.5, leases={"n1": lease, "n2": "2026-01-01T12:01:37.0Z"})
     assert [(d.name, d.grace_seconds) for d in deletes(actions)] == [("gpt-worker-0", 0), ("gpt-worker-2", 0)]
     [silent] = [e for e in events(actions) if e.reason == "NodeSilent"]  # one per node
     assert silent.type == "Warning" and "node n1" in silent.message and "gpt-worker-0" in silent.message
-    assert status_patch(actions)["silentNodes"] == [{"name": "n1", "since": "2026-01-01T12:01:40Z"}]
+    assert status_patch(actions)["silentNodes"] == [
+        {"name": "n1", "since": "2026-01-01T12:01:37Z", "leaseRenewTime": lease}
+    ]
     assert creates(actions) == [], "gpt-worker-1 is still in its grace period"
 
-    # The old pods gone: the next gang avoids n1 (and fits in n2's 2 cpus: 2 workers, not 4).
+    # The old pods gone: the next gang avoids n1 (and fits in n2's 2 cpus: 2 workers, not 4), and
+    # the operator looks at n1's Lease again at every tick (no watch announces a renewal).
     job = make_job(status={**status, **status_patch(actions)})
-    made = creates(run(job, [], two_nodes(), now=101.0))
-    assert len(made) == 2
+    decided = plan(observed(job, [], two_nodes(), now=101.0, leases={"n1": lease}), ReconcilerSettings())
+    made = creates(decided.actions)
+    assert len(made) == 2 and decided.poll
     for c in made:
         affinity = c.manifest["spec"]["affinity"]["nodeAffinity"]
         assert affinity["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"] == [
             {"matchFields": [{"key": "metadata.name", "operator": "NotIn", "values": ["n1"]}]}
         ]
-    # 120 s later, once n1 turned NotReady, or Ready again after a transition, it is trusted again.
+    # 120 s later, once n1 turned NotReady, is Ready again after a transition, or renewed its Lease
+    # (its kubelet is alive: a loaded one taken for silent), it is trusted again.
     back = make_node("n1")
     back["status"]["conditions"][0]["lastTransitionTime"] = "2026-01-01T12:01:50Z"  # after `since`
-    for nodes, now in ((two_nodes(), 221.0), ([make_node("n1", ready=False), make_node("n2")], 101.0),
-                       ([back, make_node("n2")], 111.0)):  # fmt: skip
-        later = run(job, [], nodes, now=now)
+    renewed = {"n1": "2026-01-01T12:01:37.100000Z"}  # any other renewTime: the node's clock may be off
+    down = [make_node("n1", ready=False), make_node("n2")]
+    cases = [(two_nodes(), 221.0, {}), (down, 101.0, {}), ([back, make_node("n2")], 111.0, {}),
+             (two_nodes(), 101.0, renewed)]  # fmt: skip
+    for nodes, now, leases in cases:
+        later = run(job, [], nodes, now=now, leases=leases)
         assert status_patch(later).get("silentNodes") == []
         assert all("affinity" not in c.manifest["spec"] for c in creates(later))
+    # Without a Lease read at the time (none, or not readable), only the other three count.
+    unread = {**status, "silentNodes": [{"name": "n1", "since": "2026-01-01T12:01:37Z"}]}
+    decided = plan(observed(make_job(status=unread), [], two_nodes(), now=101.0, leases=renewed),
+                   ReconcilerSettings())  # fmt: skip
+    assert len(creates(decided.actions)) == 2 and not decided.poll
 
 
 def test_a_node_lost_or_deleted_pods_are_not_taken_for_a_silent_kubelet() -> None:

@@ -292,6 +292,14 @@ class SilentNode(ApiModel):
 
     name: str = Field(description="The node's name.")
     since: datetime = Field(description="When the operator found it silent.")
+    lease_renew_time: str | None = Field(
+        default=None,
+        description=(
+            "spec.renewTime of the node's Lease in kube-node-lease when it was found silent (unset: "
+            "not readable); a different one later means its kubelet is alive, and the node is "
+            "trusted again."
+        ),
+    )
 
 
 class DistributedTrainingJobStatus(ApiModel):
@@ -337,8 +345,8 @@ class DistributedTrainingJobStatus(ApiModel):
         description=(
             "Nodes still Ready whose kubelet left a worker's deletion unfinished past its grace "
             "period (a node gone silent before it turns NotReady): the worker was force-deleted, "
-            "and new workers avoid these nodes for 120 s, or until the node turns NotReady or is Ready "
-            "again after a transition."
+            "and new workers avoid these nodes for 120 s, or until the node turns NotReady, is Ready "
+            "again after a transition, or renews its Lease."
         ),
     )
     completion_time: datetime | None = Field(default=None, description="When the job succeeded or failed.")

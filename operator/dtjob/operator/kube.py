@@ -47,6 +47,8 @@ log = logging.getLogger("dtjob.operator")
 PODGROUP_GROUP, PODGROUP_VERSION = PODGROUP_API_VERSION.split("/")
 PODGROUP_PLURAL = "podgroups"
 QUEUE_PLURAL = "queues"
+# Where every kubelet keeps its node's Lease (the node controller's heartbeat).
+NODE_LEASE_NAMESPACE = "kube-node-lease"
 # The queue of a PodGroup that names none (vc-scheduler's --default-queue).
 DEFAULT_QUEUE = "default"
 TRAINER_GAUGES = {
@@ -186,7 +188,34 @@ class Kube:
             worker_logs=self._peer_lost_logs(view, pods),
             queue=queue,
             queue_missing=queue_missing,
+            leases=self._leases(view, pods),
         )
+
+    def _leases(self, job: JobView, pods: list[dict[str, Any]]) -> dict[str, str]:
+        """spec.renewTime of the node Leases the reconciler may need (Observed.leases): those of
+        the nodes in status.silentNodes and of the nodes with a worker still there past its
+        deletion's grace. Usually none; optional (a 403 or a node without a Lease tells less)."""
+        now = datetime.now(UTC)
+        nodes = {str(e.get("name")) for e in job.status.get("silentNodes") or []}
+        for w in (Worker.of(pod) for pod in pods):
+            if w.node_name and w.deletion_deadline is not None and w.deletion_deadline <= now:
+                nodes.add(w.node_name)
+        leases: dict[str, str] = {}
+        for node in sorted(nodes):
+            try:
+                lease = self.raw.call(
+                    "GET", f"/apis/coordination.k8s.io/v1/namespaces/{NODE_LEASE_NAMESPACE}/leases/"
+                    + quoted(node), timeout=(5, 10),
+                )  # fmt: skip
+            except ApiException as e:
+                if e.status not in (403, 404):
+                    raise
+                log.debug("%s/%s: no Lease of node %s: %s", job.namespace, job.name, node, e.reason)
+                continue
+            renewed = (lease.get("spec") or {}).get("renewTime")
+            if renewed:
+                leases[node] = str(renewed)
+        return leases
 
     def _peer_lost_logs(self, job: JobView, pods: list[dict[str, Any]]) -> dict[str, str]:
         """Log tails of the current generation's workers that exited EXIT_PEER_LOST: they name

@@ -17,8 +17,9 @@ The rules, in the order they are checked:
    new generation, not counted as a restart.
 5. Pods of an older generation are deleted; the new generation's pods are created only after the
    old ones are gone (they share names, and the old rank 0 owns MASTER_ADDR until it exits). A
-   deletion that a Ready node's kubelet leaves unfinished 5 s past its grace period (a node gone
-   silent, not NotReady yet) is forced, and new workers avoid that node (status.silentNodes).
+   deletion that a Ready node's kubelet leaves unfinished 2 s past its grace period (a node gone
+   silent, not NotReady yet) is forced, and new workers avoid that node (status.silentNodes)
+   until it turns NotReady or renews its Lease.
 6. In the current generation: a permanent exit code fails the job; all workers exiting 0 succeeds
    it; a failed, deleted or node-lost worker, survivors exiting 76 (a lost peer, named from their
    logs), or a step that did not advance for progressDeadlineSeconds start a new generation
@@ -89,10 +90,13 @@ FAILURE_REASONS = {
 }  # fmt: skip
 WAITING = "Waiting"
 # A kubelet kills a deleted pod's containers at the end of its grace period and the pod is gone
-# within about a second; 5 s later (a loaded node's kubelet: 1-2 s) it is taken for silent. Its
-# node is avoided by new workers for 120 s (a silent node turns NotReady within the node
-# controller's grace, 20 s here and 40-50 s on a default cluster), or until it turns NotReady.
-SILENT_KUBELET_SECONDS = 5
+# within about a second (the nodelet: 0.05 s; a loaded kubelet: 1-2 s); 2 s later it is taken for
+# silent (it was 5 s: 3 s of every node loss, before the next gang could start). Its node is
+# avoided by new workers for 120 s (a silent node turns NotReady within the node controller's
+# grace, 20 s here and 40-50 s on a default cluster), or until it turns NotReady, is Ready again
+# after a transition, or renews its Lease: a live kubelet taken for silent (a loaded one) renews
+# it within 10 s (the nodelet: 4 s), so a false alarm costs its node seconds, not minutes.
+SILENT_KUBELET_SECONDS = 2
 SILENT_NODE_AVOID_SECONDS = 120
 # Failures named one by one in a message; beyond them, the message counts the rest.
 LISTED = 3
@@ -128,6 +132,9 @@ class Observed:
     worker_logs: Mapping[str, str] = field(default_factory=dict)
     queue: Mapping[str, Any] | None = None  # the PodGroup's Volcano Queue (None: not readable)
     queue_missing: bool = False
+    # spec.renewTime of the node Leases (kube-node-lease) of the nodes in status.silentNodes and of
+    # nodes with a worker still there past its deletion's grace, by node name (absent: not read).
+    leases: Mapping[str, str] = field(default_factory=dict)
 
 
 def to_rfc3339(moment: datetime) -> str:
@@ -252,8 +259,9 @@ class _Pass:
     waiting: tuple[str, str] | None = None  # (reason, message) of the Waiting condition
     wake: datetime | None = None  # see Plan.wake_at
     poll: bool = False  # see Plan.poll
-    # status.silentNodes still avoided: node name -> since (RFC 3339), see _silent_nodes
-    silent: dict[str, str] = field(default_factory=dict)
+    # status.silentNodes still avoided: node name -> its entry ({name, since, leaseRenewTime}),
+    # see _silent_nodes
+    silent: dict[str, dict[str, str]] = field(default_factory=dict)
 
     @property
     def now(self) -> datetime:
@@ -330,10 +338,14 @@ class _Pass:
                 "NodeSilent",
                 f"node {w.node_name} left the deletion of {w.name} unfinished {SILENT_KUBELET_SECONDS}s "
                 f"past its grace period: deleted without it, and new workers avoid the node for "
-                f"{SILENT_NODE_AVOID_SECONDS}s or until it turns NotReady",
+                f"{SILENT_NODE_AVOID_SECONDS}s or until it turns NotReady or renews its Lease",
                 warning=True,
             )
-            self.silent[str(w.node_name)] = to_rfc3339(self.now)
+            entry = {"name": str(w.node_name), "since": to_rfc3339(self.now)}
+            lease = self.obs.leases.get(str(w.node_name))
+            if lease:
+                entry["leaseRenewTime"] = lease
+            self.silent[str(w.node_name)] = entry
         elif not w.deleting:
             self.actions.append(DeletePod(w.name, reason, grace_seconds=grace_seconds))
 
@@ -433,7 +445,7 @@ def _copy_status(status: Mapping[str, Any]) -> dict[str, Any]:
 def _finish(p: _Pass) -> Plan:
     """The status patch (when anything changed), then the events, then the other actions."""
     if p.silent or p.status.get("silentNodes"):
-        p.status["silentNodes"] = [{"name": n, "since": t} for n, t in sorted(p.silent.items())]
+        p.status["silentNodes"] = [entry for _, entry in sorted(p.silent.items())]
     if p.waiting is not None:
         p.set_condition(WAITING, True, *p.waiting)
     elif (p.condition(WAITING) or {}).get("status") == "True":
@@ -522,22 +534,30 @@ def _suspend(p: _Pass, workers: Sequence[Worker]) -> None:
 
 def _silent_nodes(p: _Pass) -> None:
     """The nodes of status.silentNodes new workers still avoid: found silent less than
-    SILENT_NODE_AVOID_SECONDS ago, and Ready without a transition since (a NotReady node is
-    avoided by the scheduler itself, and one Ready again after it was NotReady came back: no
-    pass may have run while it was NotReady, so its Ready condition's transition time tells)."""
+    SILENT_NODE_AVOID_SECONDS ago, Ready without a transition since (a NotReady node is avoided by
+    the scheduler itself, and one Ready again after it was NotReady came back: no pass may have
+    run while it was NotReady, so its Ready condition's transition time tells), and with the same
+    Lease renewTime as when it was found silent (another one: its kubelet is alive; the time
+    itself, the node's clock, is never compared with the operator's)."""
     nodes = {(n.get("metadata") or {}).get("name"): n for n in p.obs.nodes}
     for entry in p.status.get("silentNodes") or []:
+        name = str(entry.get("name"))
         since = from_rfc3339(entry.get("since"))
-        node = nodes.get(entry.get("name"))
+        node = nodes.get(name)
         if since is None or node is None or not node_is_ready(node):
             continue
         changed = _condition_time(node.get("status") or {}, "Ready", value=None)
         if changed is not None and changed > since:
             continue
+        then, lease = entry.get("leaseRenewTime"), p.obs.leases.get(name)
+        if then and lease and lease != then:
+            continue
         until = since + timedelta(seconds=SILENT_NODE_AVOID_SECONDS)
         p.wake_at(until)
         if p.now < until:
-            p.silent[str(entry["name"])] = str(entry["since"])
+            p.silent[name] = {k: str(v) for k, v in entry.items()}
+            # A Lease renewal is announced by no watch of the operator's: look again every tick.
+            p.poll = p.poll or bool(then)
 
 
 def _capacity(p: _Pass) -> int:
