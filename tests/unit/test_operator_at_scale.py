@@ -15,9 +15,13 @@ from dtjob.operator.capacity import node_admits, workers_that_fit
 from dtjob.operator.kube import JobChanged
 from dtjob.operator.metrics import OperatorMetrics
 from dtjob.operator.passes import JobPassRunner
-from dtjob.operator.reconciler import Observed
-from dtjob.operator.settings import OperatorSettings
+from dtjob.operator.reconciler import Observed, plan, reconcile
+from dtjob.operator.settings import OperatorSettings, ReconcilerSettings
 from tests.unit.reconciler_fixtures import (
+    at,
+    creates,
+    deletes,
+    env_of,
     events,
     make_job,
     make_node,
@@ -231,3 +235,53 @@ def test_a_deadline_the_last_pass_named_gets_a_pass_of_its_own_when_it_falls_due
     phase = (kube.job.get("status") or {}).get("phase")
     assert phase == "Failed", f"the pass at the deadline failed the job: {phase}"
     assert not kube.done.acquire(timeout=1.5), "a failed job without a TTL wants no more passes"
+
+
+def test_a_big_gang_is_created_and_deleted_a_bounded_number_of_pods_per_pass() -> None:
+    settings = ReconcilerSettings(pod_writes_per_pass=96)
+    job = make_job(replicas=200, min_replicas=1, max_replicas=200, cpu="100m")
+    nodes = [make_node(f"n{i}", cpu="64") for i in range(4)]
+    status = status_patch(reconcile(Observed(job=job, pods=[], nodes=nodes, now=at(0)), settings))
+    job = {**job, "status": status}
+    pods: list[dict[str, Any]] = []
+    made: list[int] = []
+    while True:
+        decided = plan(Observed(job=job, pods=pods, nodes=nodes, now=at(1)), settings)
+        ranks = [int(env_of(c.manifest)["RANK"]) for c in creates(decided.actions)]
+        made.append(len(ranks))
+        pods += [make_pod(r, phase="Pending", node=None) for r in ranks]
+        if not decided.more:
+            break
+    assert made == [96, 96, 8]
+    assert sorted(int(p["metadata"]["labels"]["training.dtjob.io/rank"]) for p in pods) == list(range(200))
+    # A failed worker: the 200 others are deleted 96 a pass, the first pass also starts generation 1.
+    running = [make_pod(r, phase="Running", node=f"n{r % 4}") for r in range(200)]
+    running[7] = make_pod(7, phase="Failed", node="n3", exit_code=1)
+    first = plan(Observed(job=job, pods=running, nodes=nodes, now=at(2)), settings)
+    assert status_patch(first.actions)["generation"] == 1 and first.more
+    assert len(deletes(first.actions)) == 96 and not creates(first.actions)
+
+
+class PodsKube(RememberingKube):
+    """RememberingKube whose pod creations show at once, as the cache's assumed answers do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pods: list[dict[str, Any]] = []
+
+    def observe(self, job: dict[str, Any]) -> Observed:
+        return Observed(job=job, pods=self.pods, nodes=[make_node("n1", cpu="8")], now=datetime.now(UTC))
+
+    def execute(self, job: dict[str, Any], actions: list[Any]) -> None:
+        super().execute(job, actions)
+        for c in creates(actions):
+            self.pods.append(make_pod(int(env_of(c.manifest)["RANK"]), phase="Pending", node=None))
+
+
+def test_a_pass_that_left_pod_writes_over_is_followed_by_the_next_at_once() -> None:
+    kube = PodsKube()
+    settings = OperatorSettings(trigger_delay_seconds=0, reconciler=ReconcilerSettings(pod_writes_per_pass=1))
+    runner = JobPassRunner(kube, OperatorMetrics(), settings)  # type: ignore[arg-type]
+    runner.trigger("ns", "gpt")  # one trigger: the passes run one after the other, in this thread
+    assert [len(creates(a)) for a in kube.executed] == [1, 1], kube.executed
+    assert sorted(env_of(c.manifest)["RANK"] for a in kube.executed for c in creates(a)) == ["0", "1"]

@@ -59,6 +59,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
          "running time after which a rank 0 serving no metrics means a trainer that publishes none"),
         ("--node-view-lag-seconds", float, r.node_view_lag_seconds,
          "a pod bound after its node's NotReady transition is on a lost node once this long bound"),
+        ("--pod-writes-per-pass", int, r.pod_writes_per_pass,
+         "pod creations and deletions of one pass; the rest go in the passes right after it"),
         ("--cache-sync-timeout-seconds", float, o.cache_sync_timeout_seconds,
          "a pass waits this long for the caches of pods, nodes and Services to list once"),
         ("--api-concurrency", int, o.api_concurrency, "pod creations and deletions in flight at once"),
@@ -105,6 +107,7 @@ def build_settings(args: argparse.Namespace, env: Mapping[str, str]) -> Operator
             unplanned_stop_grace_seconds=args.unplanned_stop_grace_seconds,
             metrics_grace_seconds=args.metrics_grace_seconds,
             node_view_lag_seconds=args.node_view_lag_seconds,
+            pod_writes_per_pass=args.pod_writes_per_pass,
             workers=from_env(env),
         ),
         observer=ObserverSettings(

@@ -208,6 +208,8 @@ class JobPassRunner:
         finally:
             self.metrics.reconcile_seconds.observe(time.perf_counter() - started)
         self._schedule_next(key, decided, observed.now)
+        if decided.more:
+            self.trigger(namespace, name)  # the pod writes this pass left over, at once
         if failing is not None:
             self._recovered(key, failing)
         phase = (job.get("status") or {}).get("phase")

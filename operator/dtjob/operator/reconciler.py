@@ -112,6 +112,8 @@ class Plan:
     wake_at: datetime | None = None
     # Waiting on a change no watch announces (capacity, a Volcano queue): look again periodically.
     poll: bool = False
+    # Pod writes were left over (ReconcilerSettings.pod_writes_per_pass): the next pass, at once.
+    more: bool = False
 
 
 @dataclass(frozen=True)
@@ -455,8 +457,23 @@ def _finish(p: _Pass) -> Plan:
     if changed.get("conditions") == [] and not before.get("conditions"):
         changed.pop("conditions")
     head: list[Action] = [PatchStatus(changed)] if changed else []
+    actions, more = _first_pod_writes(p.actions, p.settings.pod_writes_per_pass)
     # Events right after the status they explain: a later action failing must not swallow them.
-    return Plan([*head, *p.events, *p.actions], p.wake, p.poll)
+    return Plan([*head, *p.events, *actions], p.wake, p.poll, more)
+
+
+def _first_pod_writes(actions: list[Action], limit: int) -> tuple[list[Action], bool]:
+    """The actions with only their first `limit` pod creations and deletions, and whether any
+    were left out (the next pass decides them again, from the state the first ones made)."""
+    kept: list[Action] = []
+    writes = 0
+    for action in actions:
+        if isinstance(action, (CreatePod, DeletePod)):
+            writes += 1
+            if writes > limit:
+                continue
+        kept.append(action)
+    return kept, writes > limit
 
 
 def _start(p: _Pass) -> None:
