@@ -39,7 +39,7 @@ from dtjob.operator.manifests import PODGROUP_API_VERSION
 from dtjob.operator.metrics import OperatorMetrics
 from dtjob.operator.progress import TrainerProgress
 from dtjob.operator.rawapi import RawApi, quoted
-from dtjob.operator.reconciler import Observed, Worker
+from dtjob.operator.reconciler import Observed, Worker, silent_deletion
 from dtjob.operator.scrape import Scraper, Target
 from dtjob.operator.settings import ObserverSettings
 
@@ -193,12 +193,12 @@ class Kube:
 
     def _leases(self, job: JobView, pods: list[dict[str, Any]]) -> dict[str, str]:
         """spec.renewTime of the node Leases the reconciler may need (Observed.leases): those of
-        the nodes in status.silentNodes and of the nodes with a worker still there past its
-        deletion's grace. Usually none; optional (a 403 or a node without a Lease tells less)."""
+        the nodes in status.silentNodes and of the nodes whose kubelet it may find silent now
+        (`silent_deletion`). Usually none; optional (a 403 or a node without a Lease tells less)."""
         now = datetime.now(UTC)
         nodes = {str(e.get("name")) for e in job.status.get("silentNodes") or []}
         for w in (Worker.of(pod) for pod in pods):
-            if w.node_name and w.deletion_deadline is not None and w.deletion_deadline <= now:
+            if w.node_name and silent_deletion(w, now):
                 nodes.add(w.node_name)
         leases: dict[str, str] = {}
         for node in sorted(nodes):

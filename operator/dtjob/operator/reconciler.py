@@ -359,9 +359,16 @@ class _Pass:
             return False
         if w.node_name in self.silent:
             return True
-        due = w.deletion_deadline + timedelta(seconds=SILENT_KUBELET_SECONDS)
-        self.wake_at(due)
-        return self.now >= due
+        self.wake_at(w.deletion_deadline + timedelta(seconds=SILENT_KUBELET_SECONDS))
+        return silent_deletion(w, self.now)
+
+
+def silent_deletion(w: Worker, now: datetime) -> bool:
+    """Whether w's deletion is SILENT_KUBELET_SECONDS past its grace period and unfinished (the
+    observer reads the Leases of such workers' nodes for the pass that finds them silent)."""
+    if w.deletion_deadline is None or not w.node_name:
+        return False
+    return now >= w.deletion_deadline + timedelta(seconds=SILENT_KUBELET_SECONDS)
 
 
 def reconcile(obs: Observed, settings: ReconcilerSettings) -> list[Action]:
