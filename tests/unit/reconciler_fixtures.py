@@ -87,9 +87,11 @@ def make_pod(
     created: float = 0.0,
     job: str = "gpt",
     grace_ends: float | None = None,
+    grace: int = 5,
 ) -> dict[str, Any]:
-    """A worker pod; `deleting`: its deletion's grace period ends at `grace_ends` (default 300 s
-    after its creation: the tests' passes, at 100 s, see it terminating within its grace)."""
+    """A worker pod; `deleting`: its deletion's grace period (`grace` seconds) ends at `grace_ends`
+    (default 300 s after its creation: the tests' passes, at 100 s, see it terminating within
+    its grace)."""
     status: dict[str, Any] = {"phase": phase}
     if exit_code is not None:
         status["containerStatuses"] = [{"name": "trainer", "state": {"terminated": {"exitCode": exit_code}}}]
@@ -104,6 +106,7 @@ def make_pod(
     }
     if deleting:
         meta["deletionTimestamp"] = to_rfc3339(at(created + 300 if grace_ends is None else grace_ends))
+        meta["deletionGracePeriodSeconds"] = grace
     spec: dict[str, Any] = {"containers": [{"name": "trainer", "resources": {"requests": {"cpu": "1"}}}]}
     if node:
         spec["nodeName"] = node

@@ -5,9 +5,15 @@ from __future__ import annotations
 from typing import Any
 
 from dtjob.operator.actions import CountRestart, ObserveRecovery
-from dtjob.operator.reconciler import SILENT_KUBELET_SECONDS, plan
+from dtjob.operator.reconciler import (
+    LOST_RANK_GRACE_SECONDS,
+    SILENT_KUBELET_SECONDS,
+    SILENT_LOST_RANK_SECONDS,
+    plan,
+)
 from dtjob.operator.settings import ReconcilerSettings
 from tests.unit.reconciler_fixtures import (
+    at,
     creates,
     deletes,
     env_of,
@@ -176,16 +182,16 @@ def test_a_deletion_its_kubelet_leaves_unfinished_is_forced_and_the_next_gang_av
     old = [make_pod(0, 0, node="n1", deleting=True, grace_ends=95.0),
            make_pod(1, 0, node="n2", deleting=True, grace_ends=96.0),
            make_pod(2, 0, node="n1", deleting=True, grace_ends=94.0)]  # fmt: skip
-    assert SILENT_KUBELET_SECONDS == 2
-    within = run(job, old[:2], two_nodes(), now=96.5)  # 1.5 s past n1's grace: not yet
+    assert SILENT_KUBELET_SECONDS == 5
+    within = run(job, old[:2], two_nodes(), now=99.5)  # 4.5 s past n1's grace: not yet
     assert deletes(within) == [] and creates(within) == []
     lease = "2026-01-01T12:01:33.250000Z"  # n1's kubelet renewed its Lease last before it stopped
-    actions = run(job, old, two_nodes(), now=97.5, leases={"n1": lease, "n2": "2026-01-01T12:01:37.0Z"})
+    actions = run(job, old, two_nodes(), now=100.5, leases={"n1": lease, "n2": "2026-01-01T12:01:40.0Z"})
     assert [(d.name, d.grace_seconds) for d in deletes(actions)] == [("gpt-worker-0", 0), ("gpt-worker-2", 0)]
     [silent] = [e for e in events(actions) if e.reason == "NodeSilent"]  # one per node
     assert silent.type == "Warning" and "node n1" in silent.message and "gpt-worker-0" in silent.message
     assert status_patch(actions)["silentNodes"] == [
-        {"name": "n1", "since": "2026-01-01T12:01:37Z", "leaseRenewTime": lease}
+        {"name": "n1", "since": "2026-01-01T12:01:40Z", "leaseRenewTime": lease}
     ]
     assert creates(actions) == [], "gpt-worker-1 is still in its grace period"
 
@@ -213,10 +219,27 @@ def test_a_deletion_its_kubelet_leaves_unfinished_is_forced_and_the_next_gang_av
         assert status_patch(later).get("silentNodes") == []
         assert all("affinity" not in c.manifest["spec"] for c in creates(later))
     # Without a Lease read at the time (none, or not readable), only the other three count.
-    unread = {**status, "silentNodes": [{"name": "n1", "since": "2026-01-01T12:01:37Z"}]}
+    unread = {**status, "silentNodes": [{"name": "n1", "since": "2026-01-01T12:01:40Z"}]}
     decided = plan(observed(make_job(status=unread), [], two_nodes(), now=101.0, leases=renewed),
                    ReconcilerSettings())  # fmt: skip
     assert len(creates(decided.actions)) == 2 and not decided.poll
+
+
+def test_a_rank_its_peers_declared_lost_is_taken_for_silent_sooner() -> None:
+    """Deleted with LOST_RANK_GRACE_SECONDS (hung, cut off or on a dead node): 2 s past its grace,
+    not 5 s; a survivor's deletion (5 s grace) on the same node still gets the 5 s."""
+    status = {**running_status(generation=1, restarts=1), "phase": "Restarting"}
+    lost = make_pod(1, 0, node="n1", deleting=True, grace_ends=97.0, grace=LOST_RANK_GRACE_SECONDS)
+    survivor = make_pod(0, 0, node="n2", deleting=True, grace_ends=97.0, grace=5)
+    assert SILENT_LOST_RANK_SECONDS == 2
+    decided = plan(
+        observed(make_job(status=status), [lost, survivor], two_nodes(), now=98.5), ReconcilerSettings()
+    )
+    assert deletes(decided.actions) == [] and decided.wake_at == at(99.0)
+    actions = run(make_job(status=status), [lost, survivor], two_nodes(), now=99.0)
+    assert [(d.name, d.grace_seconds) for d in deletes(actions)] == [("gpt-worker-1", 0)]
+    [silent] = [e for e in events(actions) if e.reason == "NodeSilent"]
+    assert "unfinished 2s past its grace" in silent.message
 
 
 def test_a_node_lost_or_deleted_pods_are_not_taken_for_a_silent_kubelet() -> None:

@@ -17,9 +17,9 @@ The rules, in the order they are checked:
    new generation, not counted as a restart.
 5. Pods of an older generation are deleted; the new generation's pods are created only after the
    old ones are gone (they share names, and the old rank 0 owns MASTER_ADDR until it exits). A
-   deletion that a Ready node's kubelet leaves unfinished 2 s past its grace period (a node gone
-   silent, not NotReady yet) is forced, and new workers avoid that node (status.silentNodes)
-   until it turns NotReady or renews its Lease.
+   deletion that a Ready node's kubelet leaves unfinished 5 s past its grace period (2 s for a
+   rank its peers declared lost; a node gone silent, not NotReady yet) is forced, and new
+   workers avoid that node (status.silentNodes) until it turns NotReady or renews its Lease.
 6. In the current generation: a permanent exit code fails the job; all workers exiting 0 succeeds
    it; a failed, deleted or node-lost worker, survivors exiting 76 (a lost peer, named from their
    logs), or a step that did not advance for progressDeadlineSeconds start a new generation
@@ -90,13 +90,16 @@ FAILURE_REASONS = {
 }  # fmt: skip
 WAITING = "Waiting"
 # A kubelet kills a deleted pod's containers at the end of its grace period and the pod is gone
-# within about a second (the nodelet: 0.05 s; a loaded kubelet: 1-2 s); 2 s later it is taken for
-# silent (it was 5 s: 3 s of every node loss, before the next gang could start). Its node is
-# avoided by new workers for 120 s (a silent node turns NotReady within the node controller's
-# grace, 20 s here and 40-50 s on a default cluster), or until it turns NotReady, is Ready again
-# after a transition, or renews its Lease: a live kubelet taken for silent (a loaded one) renews
+# within about a second (the nodelet: 0.05 s; a loaded kubelet: 1-2 s; KWOK deleting 1,024 pods at
+# once: up to 12 s); 5 s later it is taken for silent. A rank its peers declared lost (deleted with
+# LOST_RANK_GRACE_SECONDS) is suspect already, and waits 2 s: 3 s less of every node loss before
+# the next gang starts (at 2 s for every pod, KWOK's 1,024-pod deletions were taken for 128 silent
+# nodes). The node is avoided by new workers for 120 s (a silent node turns NotReady within the
+# node controller's grace, 20 s here and 40-50 s on a default cluster), or until it turns NotReady,
+# is Ready again after a transition, or renews its Lease: a live kubelet taken for silent renews
 # it within 10 s (the nodelet: 4 s), so a false alarm costs its node seconds, not minutes.
-SILENT_KUBELET_SECONDS = 2
+SILENT_KUBELET_SECONDS = 5
+SILENT_LOST_RANK_SECONDS = 2
 SILENT_NODE_AVOID_SECONDS = 120
 # Failures named one by one in a message; beyond them, the message counts the rest.
 LISTED = 3
@@ -190,6 +193,7 @@ class Worker:
     # The end of its deletion's grace period (the API server's deletionTimestamp): past it the
     # kubelet kills the containers and removes the pod at once.
     deletion_deadline: datetime | None = None
+    deletion_grace: int | None = None  # that grace period, seconds (deletionGracePeriodSeconds)
 
     @classmethod
     def of(cls, pod: Mapping[str, Any]) -> Worker:
@@ -216,6 +220,7 @@ class Worker:
             preempted=gang.preempted(pod),
             scheduled=_condition_time(status, "PodScheduled"),
             deletion_deadline=from_rfc3339(meta.get("deletionTimestamp")),
+            deletion_grace=meta.get("deletionGracePeriodSeconds"),
         )
 
     @property
@@ -338,7 +343,7 @@ class _Pass:
                 return  # its other pods: the node was found silent before
             self.event(
                 "NodeSilent",
-                f"node {w.node_name} left the deletion of {w.name} unfinished {SILENT_KUBELET_SECONDS}s "
+                f"node {w.node_name} left the deletion of {w.name} unfinished {_silent_after(w):g}s "
                 f"past its grace period: deleted without it, and new workers avoid the node for "
                 f"{SILENT_NODE_AVOID_SECONDS}s or until it turns NotReady or renews its Lease",
                 warning=True,
@@ -359,16 +364,23 @@ class _Pass:
             return False
         if w.node_name in self.silent:
             return True
-        self.wake_at(w.deletion_deadline + timedelta(seconds=SILENT_KUBELET_SECONDS))
+        self.wake_at(w.deletion_deadline + timedelta(seconds=_silent_after(w)))
         return silent_deletion(w, self.now)
 
 
+def _silent_after(w: Worker) -> float:
+    """Seconds past its grace period after which w's unfinished deletion means a silent kubelet:
+    SILENT_LOST_RANK_SECONDS for a rank its peers declared lost (the only deletions that get
+    LOST_RANK_GRACE_SECONDS), else SILENT_KUBELET_SECONDS."""
+    return SILENT_LOST_RANK_SECONDS if w.deletion_grace == LOST_RANK_GRACE_SECONDS else SILENT_KUBELET_SECONDS
+
+
 def silent_deletion(w: Worker, now: datetime) -> bool:
-    """Whether w's deletion is SILENT_KUBELET_SECONDS past its grace period and unfinished (the
-    observer reads the Leases of such workers' nodes for the pass that finds them silent)."""
+    """Whether w's deletion is unfinished past its grace period by `_silent_after` (the observer
+    reads the Leases of such workers' nodes for the pass that finds them silent)."""
     if w.deletion_deadline is None or not w.node_name:
         return False
-    return now >= w.deletion_deadline + timedelta(seconds=SILENT_KUBELET_SECONDS)
+    return now >= w.deletion_deadline + timedelta(seconds=_silent_after(w))
 
 
 def reconcile(obs: Observed, settings: ReconcilerSettings) -> list[Action]:
