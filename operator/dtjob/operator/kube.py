@@ -197,7 +197,8 @@ class Kube:
         (`silent_deletion`). Usually none; optional (a 403 or a node without a Lease tells less)."""
         now = datetime.now(UTC)
         nodes = {str(e.get("name")) for e in job.status.get("silentNodes") or []}
-        for w in (Worker.of(pod) for pod in pods):
+        deleting = [pod for pod in pods if (pod.get("metadata") or {}).get("deletionTimestamp")]
+        for w in (Worker.of(pod) for pod in deleting):  # a pass of 1,024 pods parses none of them
             if w.node_name and silent_deletion(w, now):
                 nodes.add(w.node_name)
         leases: dict[str, str] = {}

@@ -138,7 +138,8 @@ class Observed:
     queue: Mapping[str, Any] | None = None  # the PodGroup's Volcano Queue (None: not readable)
     queue_missing: bool = False
     # spec.renewTime of the node Leases (kube-node-lease) of the nodes in status.silentNodes and of
-    # nodes with a worker still there past its deletion's grace, by node name (absent: not read).
+    # the nodes of workers whose deletion may be found silent (`silent_deletion`), by node name
+    # (absent: not read).
     leases: Mapping[str, str] = field(default_factory=dict)
 
 
