@@ -191,6 +191,21 @@ def test_the_changes_of_a_burst_within_the_trigger_delay_are_one_pass() -> None:
     assert sorted(kube.passes) == ["bert", "gpt"]
 
 
+def test_an_urgent_trigger_skips_the_delay_and_the_burst_after_it_still_waits() -> None:
+    kube = PlainKube()
+    runner = JobPassRunner(kube, OperatorMetrics(), OperatorSettings(trigger_delay_seconds=2))  # type: ignore[arg-type]
+    runner.trigger_soon("ns", "bert", urgent=True)
+    runner.handed("ns", "gpt")
+    runner.trigger_soon("ns", "gpt")  # a pod changed: waits the delay
+    runner.trigger_soon("ns", "gpt", urgent=True)  # a worker failed: at once
+    assert kube.done.acquire(timeout=1), "the urgent trigger ran its pass within the 2 s delay"
+    assert kube.passes == ["gpt"], "a job kopf did not hand over gets no pass, urgent or not"
+    runner.trigger_soon("ns", "gpt")  # the burst after the failure joins the queued trigger
+    assert not kube.done.acquire(timeout=1), "the delayed trigger waits its 2 s"
+    assert kube.done.acquire(timeout=5) and not kube.done.acquire(timeout=0.5)
+    assert kube.passes == ["gpt", "gpt"]
+
+
 class RememberingKube(PlainKube):
     """PlainKube whose job keeps the status its passes patch (a job with `run_policy`)."""
 

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from dtjob.operator.cache import ClusterCache, Informer, trim_pod
-from dtjob.operator.jobview import LABEL_JOB
+from dtjob.operator.jobview import LABEL_GENERATION, LABEL_JOB
 from dtjob.operator.kube import request_kind
 
 
@@ -20,13 +20,14 @@ def pod(
     phase: str = "Pending",
     namespace: str = "ns",
     deleting: bool = False,
+    generation: int = 0,
 ) -> dict[str, Any]:
     meta: dict[str, Any] = {
         "name": name,
         "namespace": namespace,
         "uid": f"uid-{name}",
         "resourceVersion": str(rv),
-        "labels": {LABEL_JOB: job} if job else {},
+        "labels": {LABEL_JOB: job, LABEL_GENERATION: str(generation)} if job else {},
         "managedFields": [{"manager": "x"}],
     }
     if deleting:
@@ -145,7 +146,7 @@ def test_the_response_of_a_delete_after_its_deleted_event_does_not_bring_the_pod
 def test_pod_changes_trigger_their_job_and_a_lost_node_the_jobs_on_it() -> None:
     cache = ClusterCache(None, ("ns",))  # type: ignore[arg-type]
     fired: list[tuple[str, str]] = []
-    cache.trigger = lambda ns, name: fired.append((ns, name))
+    cache.trigger = lambda ns, name, urgent=False: fired.append((ns, name))
     pods = Informer(None, "pods", "/api/v1/pods", trim=trim_pod,  # type: ignore[arg-type]
                     indexes={"job": lambda p: _job(p), "node": lambda p: [p["spec"].get("nodeName")]},
                     on_change=cache._pod_changed)  # fmt: skip
@@ -165,6 +166,27 @@ def test_pod_changes_trigger_their_job_and_a_lost_node_the_jobs_on_it() -> None:
     assert fired == [("ns", "bert"), ("ns", "gpt")]
     assert [p["metadata"]["name"] for p in cache.job_pods("ns", "gpt")] == ["gpt-worker-0"]
     assert len(cache.bound_pods()) == 2
+
+
+def test_a_worker_failing_and_the_last_pod_of_its_generation_gone_are_urgent_triggers() -> None:
+    cache = ClusterCache(None, ("ns",))  # type: ignore[arg-type]
+    fired: list[tuple[str, bool]] = []
+    cache.trigger = lambda ns, name, urgent=False: fired.append((name, urgent))
+    pods = Informer(None, "pods", "/api/v1/pods", trim=trim_pod,  # type: ignore[arg-type]
+                    indexes={"job": _job}, on_change=cache._pod_changed)  # fmt: skip
+    cache.pods = [pods]
+    pods._replace([pod(f"gpt-worker-{r}", 1 + r, phase="Running") for r in range(2)], 2)
+    pods._apply("MODIFIED", pod("gpt-worker-0", 3, phase="Failed"))
+    pods._apply("MODIFIED", pod("gpt-worker-0", 4, phase="Failed"))  # its status again
+    assert fired == [("gpt", True), ("gpt", False)], "the failure once, not its repeats"
+    fired.clear()
+    pods._apply("MODIFIED", pod("gpt-worker-1", 5, phase="Failed", deleting=True))  # the restart's
+    pods._apply("DELETED", pod("gpt-worker-0", 6, phase="Failed"))
+    pods._apply("ADDED", pod("gpt-worker-0", 7, generation=1))  # another generation's pod
+    assert fired == [("gpt", False)] * 3, "a pod of generation 0 is left"
+    fired.clear()
+    pods._apply("DELETED", pod("gpt-worker-1", 8, phase="Failed", deleting=True))
+    assert fired == [("gpt", True)], "generation 0 is gone: its pass creates generation 1"
 
 
 def _job(p: dict[str, Any]) -> list[tuple[str, str]]:
@@ -195,7 +217,7 @@ def job(rv: int, replicas: int = 2, status: dict[str, Any] | None = None) -> dic
 def test_the_job_a_pass_reads_holds_the_status_the_operator_wrote_and_its_echo_triggers_nothing() -> None:
     cache = ClusterCache(None, ("ns",))  # type: ignore[arg-type]
     fired: list[tuple[str, str]] = []
-    cache.trigger = lambda ns, name: fired.append((ns, name))
+    cache.trigger = lambda ns, name, urgent=False: fired.append((ns, name))
     path = "/apis/training.dtjob.io/v1alpha1/namespaces/ns/distributedtrainingjobs"
     jobs = Informer(None, "jobs in ns", path, on_change=cache._job_changed)  # type: ignore[arg-type]
     cache.jobs = [jobs]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from typing import Any, cast
@@ -33,7 +33,7 @@ from dtjob.operator.actions import (
     ObserveRecovery,
     PatchStatus,
 )
-from dtjob.operator.cache import ClusterCache
+from dtjob.operator.cache import ClusterCache, Trigger
 from dtjob.operator.jobview import API_VERSION, GROUP, KIND, PLURAL, VERSION, JobView
 from dtjob.operator.manifests import PODGROUP_API_VERSION
 from dtjob.operator.metrics import OperatorMetrics
@@ -137,9 +137,10 @@ class Kube:
         self.scraper = Scraper(settings)
         self._writes = ThreadPoolExecutor(settings.api_concurrency, thread_name_prefix="kube-write")
 
-    def start(self, trigger: Callable[[str, str], None]) -> None:
-        """Starts the caches' watches; `trigger(namespace, name)` is called (from their threads)
-        for every job whose pods changed, whose node was lost, or whose rank 0 said something new."""
+    def start(self, trigger: Trigger) -> None:
+        """Starts the caches' watches; `trigger(namespace, name, urgent)` is called (from their
+        threads) for every job whose pods changed, whose node was lost, or whose rank 0 said
+        something new."""
         self.scraper.on_change = trigger
         self.cache.start(trigger)
 

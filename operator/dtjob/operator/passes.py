@@ -1,12 +1,13 @@
 """The impure side of a reconcile: observe a job, ask the pure reconciler, execute its actions.
 
-`JobPassRunner.trigger_soon(namespace, name)` is what the kopf handlers, the operator's own
-watches and its scraper call: it runs the pass on the runner's own threads a moment later
+`JobPassRunner.trigger_soon(namespace, name)` is what the kopf handlers, the operator's own watches
+and its scraper call: it runs the pass on the runner's own threads a moment later
 (`trigger_delay_seconds`; the changes of a gang's pods come in bursts, and one pass answers a
-burst), and only for jobs that kopf handed to this operator within the last two timer intervals:
-a replica that kopf's peering holds paused gets no job from kopf, so its watches act on none
-either. Triggers of one job coalesce (`Coalescer`): never two passes of a job at once, and every
-trigger answered by a pass that starts after it.
+burst; at once for the two pod changes that decide a restart, see `ClusterCache._decides`), and
+only for jobs that kopf handed to this operator within the last two timer intervals: a replica that
+kopf's peering holds paused gets no job from kopf, so its watches act on none either. Triggers of
+one job coalesce (`Coalescer`): never two passes of a job at once, and every trigger answered by a
+pass that starts after it.
 
 Passes without an event: each pass's plan says when time alone changes its decision
 (`Plan.wake_at`: a deadline, a TTL, a hold) and whether it waits on what no watch announces
@@ -135,18 +136,24 @@ class JobPassRunner:
         ):
             self.trigger_soon(namespace, name)
 
-    def trigger_soon(self, namespace: str, name: str) -> None:
+    def trigger_soon(self, namespace: str, name: str, urgent: bool = False) -> None:
         """`trigger` on the runner's threads after `trigger_delay_seconds`, returning at once; a
-        job already waiting is not queued twice (the triggers meanwhile join its pass). Ignored
-        for a job kopf has not handed over lately."""
+        job already waiting is not queued twice (the triggers meanwhile join its pass). `urgent`
+        (a change that decides the pass by itself, such as a worker failing): without the delay,
+        whether or not the job waits already. Ignored for a job kopf has not handed over lately."""
         key = (namespace, name)
         with self._lock:
             handed = self._handed.get(key)
-            if handed is None or self._clock() - handed > self._handed_for or key in self._queued:
+            if handed is None or self._clock() - handed > self._handed_for:
                 return
-            self._queued.add(key)
+            if not urgent:
+                if key in self._queued:
+                    return
+                self._queued.add(key)
         delay = self.settings.trigger_delay_seconds
-        if delay > 0:
+        if urgent:
+            self._soon.submit(self.trigger, namespace, name)
+        elif delay > 0:
             self._later.call(delay, functools.partial(self._soon.submit, self._trigger_queued, key))
         else:
             self._soon.submit(self._trigger_queued, key)
