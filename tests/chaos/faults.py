@@ -13,6 +13,8 @@ Kinds (the names the suite's table uses):
     ckpt-truncate  the newest checkpoint's rank file cut to half, then a worker SIGKILLed
     ckpt-bitflip   one byte of the newest checkpoint's rank file flipped, then a worker SIGKILLed
     ckpt-manifest  the newest checkpoint's manifest.json deleted, then a worker SIGKILLed
+    volume-full    the job's checkpoint volume (a small tmpfs) filled up right before a checkpoint is
+                   due, freed again once the job shows the refused write
     apiserver      the kube-apiserver SIGKILLed while the gang trains, started again 1-3 s later
     etcd           etcd SIGKILLed while the gang trains, started again 1-3 s later
 """
@@ -45,13 +47,21 @@ KINDS = (
     "ckpt-truncate",
     "ckpt-bitflip",
     "ckpt-manifest",
+    "volume-full",
     "apiserver",
     "etcd",
 )
 CHECKPOINT_KINDS = ("ckpt-truncate", "ckpt-bitflip", "ckpt-manifest")
 # The control plane going away is no failure of a job: its gang trains on, nothing restarts.
 CONTROL_PLANE = {"apiserver": "kube-apiserver", "etcd": "etcd"}
+# Faults that must cost the job no restart: the control plane's, and a checkpoint the volume refuses.
+NO_RESTART = (*CONTROL_PLANE, "volume-full")
 MANIFEST = "manifest.json"  # = dtjob.trainer.checkpoint.MANIFEST (without importing torch here)
+# Each chaos job's checkpoint volume: a checkpoint of the chaos model (2 layers of width 64, with
+# AdamW's two moments) is about 2 MB, and a volume holds the 3 kept plus one being written; 64 MiB
+# is room enough that only a fault fills it.
+VOLUME_BYTES = 64 << 20
+FILLER = ".chaos-filler"  # no step-* nor staging name: the trainer neither reads nor removes it
 
 
 def pod_name(job: str, rank: int) -> str:
@@ -108,6 +118,36 @@ def restart_component(component: str, down_seconds: float) -> None:
         capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
+
+
+def mount_volume(root: Path) -> None:
+    """A tmpfs of VOLUME_BYTES at `root` (an empty directory): the job's own checkpoint volume,
+    which `fill_volume` can fill without touching this machine's disk. Pods started after this see
+    it (each pod's private mount namespace copies the host's mounts)."""
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={VOLUME_BYTES},mode=0755", "dtjob-chaos", str(root)],
+        capture_output=True, text=True, timeout=30, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, f"mount a tmpfs at {root} (needs root): {done.stderr.strip()}"
+
+
+def unmount_volume(root: Path) -> None:
+    """Detach the tmpfs at `root` at once (lazily: a pod still running keeps its view until it
+    exits)."""
+    subprocess.run(["umount", "--lazy", str(root)], capture_output=True, timeout=30, check=False)
+
+
+def fill_volume(root: Path) -> Path:
+    """Allocate every free byte of the volume at `root` to one file (the next checkpoint write
+    meets ENOSPC); returns the file, whose removal frees the volume again."""
+    filler = root / FILLER
+    free = os.statvfs(root).f_bavail * os.statvfs(root).f_frsize
+    fd = os.open(filler, os.O_CREAT | os.O_WRONLY, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, free)
+    finally:
+        os.close(fd)
+    return filler
 
 
 def checkpoint_root(op: Operator, job: str) -> Path:

@@ -17,8 +17,11 @@ class Outcome:
 
     exited: the job's first worker exit seen (a pod watch): the gang's own detection; exit_code its code.
     detected: the job's status first showed the gang restarting (restarts or generation up), as
-    polled from the API server; None when it never did (a planned rescale).
-    training_again: rank 0 first logged a step of a later generation (the step log).
+    polled from the API server; None when it never did (a planned rescale). For volume-full: the
+    job showed the refused write (condition CheckpointWriteFailing), counted from rank 0 logging
+    the checkpoint's step.
+    training_again: rank 0 first logged a step of a later generation (the step log); for
+    volume-full, the step after the refused checkpoint's.
     steps_lost: steps run before the fault and run again after it."""
 
     kind: str

@@ -4,10 +4,11 @@ a time, at seeded random moments. A fault-free twin of each fixed-size job runs 
 control plane's faults (etcd, the API server) must cost the job they come beside nothing: no
 restart, no new generation.
 
-At the end every job must have Succeeded with exactly its steps, rank 0's step log must show no
-damaged checkpoint loaded, every step run twice at one world size the same loss, the final loss
-of each fixed-size job its twin's (1e-5 relative), and after the jobs are deleted no pod, Service
-or trainer process of theirs may be left.
+Each job's checkpoints go to a tmpfs of its own (the volume-full fault fills it). At the end every
+job must have Succeeded with exactly its steps and its last checkpoint written, rank 0's step log
+must show no damaged checkpoint loaded, every step run twice at one world size the same loss, the
+final loss of each fixed-size job its twin's (1e-5 relative), and after the jobs are deleted no
+pod, Service or trainer process of theirs may be left.
 
 DTJOB_CHAOS_SEED (default 23) picks the moments, the ranks and the order; DTJOB_CHAOS_ROUNDS
 (default 1) how many faults of each kind; DTJOB_CHAOS_RESULTS a JSON file for the counts
@@ -37,6 +38,7 @@ from tests.e2e.operator_harness import (
     SCRATCH,
     Operator,
     apply,
+    condition,
     events,
     job_manifest,
     open_gate,
@@ -77,6 +79,16 @@ class Job:
 @pytest.fixture(scope="module")
 def op(devcluster: Devcluster) -> Iterator[Operator]:
     yield from operator_namespace("chaos")
+
+
+@pytest.fixture
+def volumes() -> Iterator[list[Path]]:
+    """The checkpoint volumes (tmpfs) the test mounts: unmounted after it, before its namespace's
+    directories are removed."""
+    mounted: list[Path] = []
+    yield mounted
+    for root in mounted:
+        faults.unmount_volume(root)
 
 
 class ExitWatch:
@@ -228,6 +240,47 @@ def inject(op: Operator, job: Job, kind: str, rng: random.Random, watch: ExitWat
                    exited=exited[0] if exited else None, exit_code=exited[1] if exited else None)  # fmt: skip
 
 
+def volume_full(op: Operator, job: Job, rng: random.Random) -> Outcome:
+    """The job's checkpoint volume filled while its gang waits at the gate; the gate opens past a
+    checkpoint step. The refused write costs no restart and no step: the gang trains on and the
+    job shows it (condition CheckpointWriteFailing, event CheckpointWriteFailed); the volume is
+    freed once it does. Times count from rank 0 logging the checkpoint step: "detected" is the
+    condition on the job, "training again" the next step logged (what the refused write cost)."""
+    wait_held(op, job)
+    before_log, before_status = step_log(op, job.name), status(op, job.name)
+    gen0, last = generation_of(before_log), before_log[-1]["step"]
+    refused = last + CHECKPOINT_EVERY - last % CHECKPOINT_EVERY
+    filler = faults.fill_volume(faults.checkpoint_root(op, job.name))
+    job.gate = next_gate(rng, job.gate + 1)  # 5 steps or more: one is a checkpoint step
+    open_gate(op, job.name, job.gate)
+    t0 = detected = again = None
+    deadline = time.monotonic() + RECOVERY_TIMEOUT
+    try:
+        while detected is None or again is None:
+            if time.monotonic() > deadline:
+                pytest.fail(f"{job.name}: its full volume not shown {RECOVERY_TIMEOUT:.0f}s on: "
+                            f"{status(op, job.name)}")  # fmt: skip
+            logged = max((r["step"] for r in step_log(op, job.name)), default=0)
+            now = time.time()
+            if t0 is None and logged >= refused:
+                t0 = now
+            if t0 is not None and again is None and logged > refused:
+                again = now - t0
+            failing = condition(status(op, job.name), "CheckpointWriteFailing").get("status") == "True"
+            if t0 is not None and detected is None and failing:
+                detected = now - t0
+            time.sleep(0.1)
+    finally:
+        filler.unlink()
+    assert "CheckpointWriteFailed" in [e["reason"] for e in events(op, job.name)]
+    new = step_log(op, job.name)[len(before_log) :]
+    assert all(r["generation"] == gen0 for r in new), f"{job.name}: a full volume restarted the gang: {new}"
+    assert not restarted(op, job.name, before_status), f"{job.name}: a full volume counted a restart"
+    print(f"chaos: volume-full on {job.name}, checkpoint of step {refused} refused: shown on the job "
+          f"{detected:.1f}s, next step {again:.1f}s")  # fmt: skip
+    return Outcome("volume-full", job.name, detected, again, 0, last, None)
+
+
 def control_plane(op: Operator, job: Job, kind: str, rng: random.Random) -> Outcome:
     """etcd or the API server SIGKILLed just after the job's gate opens, started again 1-3 s
     later: no failure of the job. Its gang trains on to the next gate in the same generation (no
@@ -354,7 +407,9 @@ def namespace_processes(namespace: str) -> list[int]:
     return found
 
 
-def test_jobs_under_chaos_succeed_with_every_step_and_their_twins_loss(op: Operator) -> None:
+def test_jobs_under_chaos_succeed_with_every_step_and_their_twins_loss(
+    op: Operator, volumes: list[Path]
+) -> None:
     started = time.monotonic()
     rng = random.Random(SEED)
     jobs = [Job(name, 2, args) for name, args in STRATEGIES.items()]
@@ -371,7 +426,10 @@ def test_jobs_under_chaos_succeed_with_every_step_and_their_twins_loss(op: Opera
         if not j.scaled:
             apply(manifest(op, Job(f"{j.name}-twin", j.replicas, j.args), steps, gate=None))
         j.gate = next_gate(rng, 2)
-        apply(manifest(op, j, steps, gate=j.gate))
+        m = manifest(op, j, steps, gate=j.gate)  # makes the checkpoint directory
+        faults.mount_volume(faults.checkpoint_root(op, j.name))
+        volumes.append(faults.checkpoint_root(op, j.name))
+        apply(m)
     # One fault at a time over all jobs, in a seeded order: each fault's times are its own.
     queue = [(j, kind) for j in jobs for kind in j.plan]
     order: list[tuple[Job, str]] = []
@@ -391,6 +449,8 @@ def test_jobs_under_chaos_succeed_with_every_step_and_their_twins_loss(op: Opera
                 )
             elif kind in faults.CONTROL_PLANE:
                 outcomes.append(control_plane(op, job, kind, rng))
+            elif kind == "volume-full":
+                outcomes.append(volume_full(op, job, rng))
             else:
                 outcomes.append(inject(op, job, kind, rng, watch))
     finally:
@@ -407,9 +467,12 @@ def test_jobs_under_chaos_succeed_with_every_step_and_their_twins_loss(op: Opera
             "final_loss": log[-1]["loss"], "events": sorted({e["reason"] for e in events(op, j.name)}),
         }  # fmt: skip
         assert done["step"] == steps
+        assert condition(done, "CheckpointWriteFailing").get("status") != "True", (
+            f"{j.name}: its last checkpoint was refused: {done}"
+        )
         unplanned = [
             o for o in outcomes
-            if o.job == j.name and not o.kind.startswith("scale-") and o.kind not in faults.CONTROL_PLANE
+            if o.job == j.name and not o.kind.startswith("scale-") and o.kind not in faults.NO_RESTART
         ]  # fmt: skip
         assert int(done.get("restarts") or 0) >= len(unplanned), f"{j.name}: a restart not counted: {done}"
         assert_sound(j, log, steps, [o for o in outcomes if o.job == j.name])
