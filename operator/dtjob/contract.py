@@ -50,6 +50,9 @@ ENV_NAMESPACE = "DTJOB_NAMESPACE"
 ENV_GENERATION = "DTJOB_GENERATION"
 ENV_CHECKPOINT_DIR = "DTJOB_CHECKPOINT_DIR"
 ENV_METRICS_PORT = "DTJOB_METRICS_PORT"
+# The job's metadata.uid: with the generation it names the gang that may write checkpoints
+# (trainer/fence.py: a replaced gang still running stops).
+ENV_JOB_UID = "DTJOB_JOB_UID"
 # Pod rank and pod count: a pod of LOCAL_WORLD_SIZE processes holds global ranks
 # POD_RANK * LOCAL_WORLD_SIZE + LOCAL_RANK; WORLD_SIZE = PODS * LOCAL_WORLD_SIZE.
 ENV_POD_RANK = "DTJOB_POD_RANK"

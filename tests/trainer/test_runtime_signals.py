@@ -4,6 +4,7 @@ generation refuses to join. Real `python -m dtjob.trainer` gangs over gloo on lo
 
 from __future__ import annotations
 
+import json
 import signal
 from pathlib import Path
 
@@ -157,3 +158,40 @@ def test_a_verdict_left_in_torchruns_store_by_an_earlier_gang_does_not_end_the_n
     gang = run(2, args, tmp_path, "next", env=env, master_port=port)
     assert [s["step"] for s in gang.steps()] == list(range(1, 7))
     assert "peer lost" not in gang.stderr()
+
+
+def test_a_gang_a_newer_generation_replaced_stops_and_publishes_no_checkpoint(tmp_path: Path) -> None:
+    """Generation 0 still running (its pods force-deleted from a silent node: nothing killed them)
+    when generation 1 starts on the same checkpoint directory: generation 1's claim stops it within
+    a second or two, it writes no checkpoint after that claim, and a gang of generation 0 started
+    later refuses to start at all."""
+    checkpoints = tmp_path / "ckpt"
+    args = [*ENDLESS, "--checkpoint-dir", str(checkpoints), "--checkpoint-every", "2"]
+    env = {"DTJOB_JOB_UID": "uid-gpt", "DTJOB_HEARTBEAT_TIMEOUT": "4"}
+    old = launch(2, args, tmp_path, "old", generations=[0, 0], env=env)
+    gate = tmp_path / "gate"
+    gate.write_text("0")  # the new gang claims the directory, then waits before its first step
+    new = stale = None
+    try:
+        wait_for(lambda: len(old.steps()) >= 3, "generation 0 training")
+        new = launch(1, args, tmp_path, "new", generations=[1], env={**env, "DTJOB_STEP_GATE": str(gate)})
+        owner = checkpoints / ".owner"
+        wait_for(lambda: owner.exists() and '"generation": 1' in owner.read_text(), "generation 1's claim")
+        claimed_at = owner.stat().st_mtime
+        codes = old.wait(timeout=60)
+        assert codes[0] == 3, old.stderr()
+        assert "superseded: generation 1 of job uid uid-gpt" in old.stderr(0)
+        assert codes[1] != 0, "rank 1 leaves once rank 0 is gone"
+        for manifest in checkpoints.glob("step-*/manifest.json"):
+            written = json.loads(manifest.read_text())
+            assert written["generation"] == 0 and written["time"] < claimed_at, (
+                f"generation 0 published {manifest.parent.name} after generation 1 claimed the directory"
+            )
+        stale = launch(1, args, tmp_path, "stale", generations=[0], env=env)
+        assert stale.wait(timeout=60) == [3], stale.stderr()
+        assert "generation 0 is stale: generation 1 of this job" in stale.stderr(0)
+        assert new.procs[0].poll() is None, "the newest gang holds its claim"
+    finally:
+        for gang in (old, new, stale):
+            if gang is not None:
+                gang.kill()

@@ -43,6 +43,7 @@ def test_worker_pod_has_the_design_names_labels_env_and_volume() -> None:
         "DTJOB_JOB_NAME": "gpt",
         "DTJOB_NAMESPACE": "ml",
         "DTJOB_GENERATION": "2",
+        "DTJOB_JOB_UID": "uid-1",
         "DTJOB_CHECKPOINT_DIR": "/ckpt",
         "DTJOB_METRICS_PORT": "9400",
         "DTJOB_HEARTBEAT_TIMEOUT": "10",

@@ -73,6 +73,7 @@ def _trainer_env(job: JobView, rank: int, world_size: int, generation: int) -> l
         c.ENV_JOB_NAME: job.name,
         c.ENV_NAMESPACE: job.namespace,
         c.ENV_GENERATION: str(generation),
+        c.ENV_JOB_UID: job.uid,
         c.ENV_CHECKPOINT_DIR: job.checkpoint_mount_path,
         c.ENV_METRICS_PORT: str(job.metrics_port),
         c.ENV_HEARTBEAT_TIMEOUT: str(job.heartbeat_timeout_seconds),

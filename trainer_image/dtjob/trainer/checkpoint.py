@@ -61,7 +61,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -69,6 +69,9 @@ import torch.distributed as dist
 
 from dtjob.trainer.parallel.shards import FlatShard
 from dtjob.trainer.train_state import TrainState
+
+if TYPE_CHECKING:
+    from dtjob.trainer.fence import Fence
 
 FORMAT = "dtjob-checkpoint/1"
 MANIFEST = "manifest.json"
@@ -431,6 +434,7 @@ class Checkpointer:
         self.generation = generation
         self.keep = keep
         self.group = group
+        self.fence: Fence | None = None  # rank 0's claim on `root` (fence.py), checked before publishing
 
     def save(self, step: int, state: TrainState, meta: Mapping[str, Any]) -> Path:
         """Write the checkpoint of `step`; returns its directory once it is published. A write that
@@ -471,6 +475,8 @@ class Checkpointer:
                 manifest = build_manifest(infos, full_meta)
                 _write_durably(staging / MANIFEST, lambda p: p.write_text(json.dumps(manifest, indent=1)))
                 _fsync_dir(staging)
+                if self.fence is not None:
+                    self.fence.hold()  # a gang another one replaced never publishes
                 publish(staging, final)
                 for gone in apply_retention(self.root, self.keep):
                     log.info("deleted old checkpoint %s (keeping the newest %d)", gone, self.keep)

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dtjob import contract
-from dtjob.trainer import elastic, heartbeat
+from dtjob.trainer import elastic, fence, heartbeat
 from dtjob.trainer.checkpoint import Checkpointer, CheckpointWriteError, Loaded
 from dtjob.trainer.comm_metrics import instrument_comm
 from dtjob.trainer.data import GlobalBatchSampler
@@ -171,6 +171,10 @@ class ElasticSession:
             if self.checkpoint_dir is not None
             else None
         )
+        # The directory's one writer: this gang claims it, and stops once a newer gang does.
+        self.fence = fence.claim(self.checkpoint_dir, g.rank, g.generation)
+        if self.checkpointer is not None:
+            self.checkpointer.fence = self.fence
         self._seed_everything(seed)
         self.state: TrainState | None = None
         self.sampler: GlobalBatchSampler | None = None
@@ -456,6 +460,8 @@ class ElasticSession:
             log.info(contract.complete_line(total))
 
     def close(self) -> None:
+        if self.fence is not None:
+            self.fence.close()
         if sys.excepthook == self._excepthook:
             sys.excepthook = self._previous_excepthook
         if self._out is not sys.stdout:
