@@ -31,6 +31,8 @@ from typing import Any
 import pytest
 
 from dtjob.devcluster.binaries import Binaries
+from dtjob.devcluster.layout import Layout
+from dtjob.operator.jobview import LABEL_GENERATION
 from tests.chaos import faults
 from tests.chaos.report import Outcome, markdown, summarize, write
 from tests.e2e.conftest import Devcluster, kubectl, kubectl_json, wait_for
@@ -43,6 +45,7 @@ from tests.e2e.operator_harness import (
     job_manifest,
     open_gate,
     operator_namespace,
+    pods,
     sigkill_worker,
     status,
     step_log,
@@ -174,7 +177,34 @@ def wait_held(op: Operator, job: Job) -> None:
             and log[-1]["generation"] == status(op, job.name).get("generation", 0)
         )
 
-    wait_for(f"{job.name}: its newest gang at step {job.gate}", held, timeout=RECOVERY_TIMEOUT)
+    try:
+        wait_for(f"{job.name}: its newest gang at step {job.gate}", held, timeout=RECOVERY_TIMEOUT)
+    except pytest.fail.Exception as failed:
+        pytest.fail(f"{failed}\n{where_is(op, job)}")
+
+
+def where_is(op: Operator, job: Job) -> str:
+    """What a stuck job looks like, for the failure message (the cluster's logs are gone by the
+    time anyone reads it): its status, its pods and their tails, its last steps."""
+    st = status(op, job.name)
+    lines = [
+        f"status: phase {st.get('phase')}, generation {st.get('generation')}, restarts {st.get('restarts')}, "
+        f"waiting: {condition(st, 'Waiting').get('message')}"
+    ]
+    for p in pods(op, job.name):
+        name, node = p["metadata"]["name"], p["spec"].get("nodeName")
+        conditions = [f"{c['type']}={c['status']} {c.get('reason', '')}"
+                      for c in p["status"].get("conditions") or []]  # fmt: skip
+        lines.append(f"pod {name} gen {p['metadata']['labels'].get(LABEL_GENERATION)} on {node}: "
+                     f"{p['status'].get('phase')} {conditions}")  # fmt: skip
+        logs = kubectl("logs", "-n", op.namespace, name, "--tail=5", check=False)
+        lines.extend(f"    {line}" for line in (logs.stdout or logs.stderr).strip().splitlines()[-5:])
+    lines.append(f"last steps: {step_log(op, job.name)[-3:]}")
+    for component in ("kube-scheduler", "kube-controller-manager"):  # their klog errors: E<date>
+        log = Layout.from_env().log(component)
+        errors = [line for line in log.read_text(errors="replace").splitlines() if line.startswith("E")]
+        lines.extend(f"{component}: {line[:300]}" for line in errors[-3:])
+    return "\n".join(lines)
 
 
 def inject(op: Operator, job: Job, kind: str, rng: random.Random, watch: ExitWatch) -> Outcome:
@@ -213,10 +243,8 @@ def inject(op: Operator, job: Job, kind: str, rng: random.Random, watch: ExitWat
     try:
         while again is None:
             if time.monotonic() > deadline:
-                pytest.fail(
-                    f"{job.name}: not training again {RECOVERY_TIMEOUT:.0f}s after {kind}: "
-                    f"{status(op, job.name)}"
-                )
+                pytest.fail(f"{job.name}: not training again {RECOVERY_TIMEOUT:.0f}s after {kind}\n"
+                            f"{where_is(op, job)}")  # fmt: skip
             if detected is None and restarted(op, job.name, before_status):
                 detected = time.time() - t0
                 if kind == "operator":  # mid-restart: the gang is being replaced right now
@@ -258,8 +286,8 @@ def volume_full(op: Operator, job: Job, rng: random.Random) -> Outcome:
     try:
         while detected is None or again is None:
             if time.monotonic() > deadline:
-                pytest.fail(f"{job.name}: its full volume not shown {RECOVERY_TIMEOUT:.0f}s on: "
-                            f"{status(op, job.name)}")  # fmt: skip
+                pytest.fail(f"{job.name}: its full volume not shown {RECOVERY_TIMEOUT:.0f}s on\n"
+                            f"{where_is(op, job)}")  # fmt: skip
             logged = max((r["step"] for r in step_log(op, job.name)), default=0)
             now = time.time()
             if t0 is None and logged >= refused:
@@ -338,10 +366,8 @@ def rescale(op: Operator, job: Job, replicas: int, rng: random.Random) -> Outcom
     nudged = time.monotonic()
     while not training():
         if time.monotonic() > deadline:
-            pytest.fail(
-                f"{job.name}: not training at {replicas} workers after {RECOVERY_TIMEOUT:.0f}s: "
-                f"{status(op, job.name)}; last steps {step_log(op, job.name)[-3:]}"
-            )
+            pytest.fail(f"{job.name}: not training at {replicas} workers after {RECOVERY_TIMEOUT:.0f}s\n"
+                        f"{where_is(op, job)}")  # fmt: skip
         if time.monotonic() - nudged > 3.0:
             job.gate += 1
             open_gate(op, job.name, job.gate)
