@@ -40,8 +40,8 @@ from dtjob.trainer.elastic import StaleGenerationError
 log = logging.getLogger("dtjob.trainer")
 
 OWNER = ".owner"
-# How often rank 0 rereads the claim: a superseded gang stops this long after its successor
-# started at most, and a stat a second costs a shared file system nothing.
+# How often rank 0 rereads the claim: a superseded gang stops at most this long after its
+# successor started, and reading a 150-byte file once a second costs a shared file system nothing.
 CHECK_SECONDS = 1.0
 
 
@@ -51,7 +51,7 @@ def _read(path: Path) -> dict[str, Any] | None:
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as err:
-        log.warning("checkpoint claim %s unreadable (%s); claiming it anew", path, err)
+        log.warning("checkpoint claim %s unreadable, taken for none: %s", path, err)
         return None
     return value if isinstance(value, dict) else None
 
