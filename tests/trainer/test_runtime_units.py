@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import socket
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from dtjob.trainer import checkpoint as ckpt
+from dtjob.trainer import elastic
 from dtjob.trainer.config import ConfigError, TrainerConfig, parse
 from dtjob.trainer.data import Corpus, GlobalBatchSampler, TokenWindows
 from dtjob.trainer.parallel.comm import COLLECTIVES
@@ -225,3 +229,17 @@ def test_latest_valid_skips_newer_broken_ones_and_retention_keeps_k(tmp_path: Pa
     deleted = ckpt.apply_retention(tmp_path, keep=2)
     assert sorted(p.name for p in deleted) == ["step-00000002", "step-00000004", "step-00000010"]
     assert [s for s, _ in ckpt.list_step_dirs(tmp_path)] == [8, 6]
+
+
+def test_a_worker_waiting_for_its_master_says_where_it_looks(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setattr(elastic, "_WAIT_REPORT_SECONDS", 0.2)
+    with caplog.at_level(logging.WARNING, logger="dtjob.trainer"):
+        elastic._wait_for_port("localhost", port, time.monotonic() + 1.0)
+    said = [r.getMessage() for r in caplog.records]
+    assert said and all(f"master's store at localhost:{port} (127.0.0.1)" in m for m in said), said
+    assert len(said) <= 5, "once per report interval, not per attempt"

@@ -19,6 +19,7 @@ checkpoint indexes, Python objects.
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import socket
@@ -32,6 +33,8 @@ import torch.distributed as dist
 from dtjob import contract
 from dtjob.trainer.parallel.comm import control_group
 
+log = logging.getLogger("dtjob.trainer")
+
 _GENERATION_KEY = "dtjob/generation"
 # How often a starting worker asks DNS for its master's name (a query each time: 2,000 a second
 # from a 1,024-worker gang waiting for rank 0's record).
@@ -44,6 +47,10 @@ _PORT_RETRY_SECONDS = 0.05
 # One connect attempt's limit: a SYN lost while the pod's network comes up is sent again by the
 # kernel only after 1 s; a new attempt goes sooner (an answer on the pod network takes < 1 ms).
 _CONNECT_ATTEMPT_SECONDS = 0.25
+# A worker still waiting for its master says so this often, with the address its name resolves to
+# (a stale name shows), so a gang stuck in its rendezvous is readable from the pods' logs long
+# before the rendezvous timeout (300 s) ends it.
+_WAIT_REPORT_SECONDS = 10.0
 
 
 @dataclass(frozen=True)
@@ -112,12 +119,25 @@ def _resolve_until(host: str, deadline: float) -> None:
 def _wait_for_port(host: str, port: int, deadline: float) -> None:
     """Wait until something listens at host:port (the master's store), or the deadline passes
     (the store client's own connect then reports the error)."""
+    started = reported = time.monotonic()
     while time.monotonic() < deadline:
         try:
             with socket.create_connection((host, port), timeout=_CONNECT_ATTEMPT_SECONDS):
                 return
-        except OSError:
+        except OSError as err:
+            now = time.monotonic()
+            if now - reported >= _WAIT_REPORT_SECONDS:
+                reported = now
+                log.warning("waiting %.0fs for the master's store at %s:%d (%s): %s",
+                            now - started, host, port, _address_of(host), err)  # fmt: skip
             time.sleep(_PORT_RETRY_SECONDS)
+
+
+def _address_of(host: str) -> str:
+    try:
+        return socket.gethostbyname(host)
+    except OSError as err:
+        return f"not resolved: {err}"
 
 
 def _connect_store(c: Gang) -> dist.TCPStore:
