@@ -202,7 +202,8 @@ def where_is(op: Operator, job: Job) -> str:
     lines.append(f"last steps: {step_log(op, job.name)[-3:]}")
     for component in ("kube-scheduler", "kube-controller-manager"):  # their klog errors: E<date>
         log = Layout.from_env().log(component)
-        errors = [line for line in log.read_text(errors="replace").splitlines() if line.startswith("E")]
+        text = log.read_text(errors="replace") if log.is_file() else ""
+        errors = [line for line in text.splitlines() if line.startswith("E")]
         lines.extend(f"{component}: {line[:300]}" for line in errors[-3:])
     return "\n".join(lines)
 
