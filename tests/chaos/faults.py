@@ -141,7 +141,8 @@ def fill_volume(root: Path) -> Path:
     """Allocate every free byte of the volume at `root` to one file (the next checkpoint write
     meets ENOSPC); returns the file, whose removal frees the volume again."""
     filler = root / FILLER
-    free = os.statvfs(root).f_bavail * os.statvfs(root).f_frsize
+    fs = os.statvfs(root)
+    free = fs.f_bavail * fs.f_frsize
     fd = os.open(filler, os.O_CREAT | os.O_WRONLY, 0o600)
     try:
         os.posix_fallocate(fd, 0, free)

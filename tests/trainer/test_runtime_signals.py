@@ -176,7 +176,8 @@ def test_a_gang_a_newer_generation_replaced_stops_and_publishes_no_checkpoint(tm
         wait_for(lambda: len(old.steps()) >= 3, "generation 0 training")
         new = launch(1, args, tmp_path, "new", generations=[1], env={**env, "DTJOB_STEP_GATE": str(gate)})
         owner = checkpoints / ".owner"
-        wait_for(lambda: owner.exists() and '"generation": 1' in owner.read_text(), "generation 1's claim")
+        claimed = lambda: owner.exists() and '"generation": 1' in owner.read_text()  # noqa: E731
+        wait_for(claimed, "generation 1's claim", timeout=90)
         claimed_at = owner.stat().st_mtime
         codes = old.wait(timeout=60)
         assert codes[0] == 3, old.stderr()

@@ -417,6 +417,7 @@ class Checkpointer:
     """Save and load checkpoints of one TrainState; every rank of the default group calls each method.
 
     group: a gloo group over every rank for the protocol's own messages (None: the default group).
+    fence: rank 0's claim on `root` (fence.py), checked before publishing; None: not fenced.
     """
 
     def __init__(
@@ -427,6 +428,7 @@ class Checkpointer:
         generation: int,
         keep: int,
         group: dist.ProcessGroup | None = None,
+        fence: Fence | None = None,
     ) -> None:
         self.root = root
         self.rank = rank
@@ -434,7 +436,7 @@ class Checkpointer:
         self.generation = generation
         self.keep = keep
         self.group = group
-        self.fence: Fence | None = None  # rank 0's claim on `root` (fence.py), checked before publishing
+        self.fence = fence
 
     def save(self, step: int, state: TrainState, meta: Mapping[str, Any]) -> Path:
         """Write the checkpoint of `step`; returns its directory once it is published. A write that

@@ -164,17 +164,16 @@ class ElasticSession:
         self._previous_excepthook = sys.excepthook
         sys.excepthook = self._excepthook  # a user's script that ends in an uncaught error
         self.group = control_group()
+        # The directory's one writer: this gang claims it, and stops once a newer gang does.
+        self.fence = fence.claim(self.checkpoint_dir, g.rank, g.generation)
         self.checkpointer = (
             Checkpointer(
-                self.checkpoint_dir, g.rank, g.world_size, g.generation, keep_checkpoints, self.group
+                self.checkpoint_dir, g.rank, g.world_size, g.generation, keep_checkpoints, self.group,
+                self.fence,
             )
             if self.checkpoint_dir is not None
             else None
-        )
-        # The directory's one writer: this gang claims it, and stops once a newer gang does.
-        self.fence = fence.claim(self.checkpoint_dir, g.rank, g.generation)
-        if self.checkpointer is not None:
-            self.checkpointer.fence = self.fence
+        )  # fmt: skip
         self._seed_everything(seed)
         self.state: TrainState | None = None
         self.sampler: GlobalBatchSampler | None = None
