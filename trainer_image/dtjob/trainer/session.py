@@ -135,6 +135,8 @@ class ElasticSession:
         self.metrics.world_size.set(g.world_size)
         self.metrics.generation.set(g.generation)
         self.metrics.rank.set(g.rank)
+        restarts = int(os.environ.get(contract.ENV_IN_PLACE_RESTARTS) or 0)
+        self.metrics.in_place_restarts.labels(os.environ.get(contract.ENV_RESTART_CAUSE) or "").set(restarts)
         if port:
             try:
                 self.metrics.serve(port + g.local_rank)
