@@ -151,6 +151,9 @@ def manifest(op: Operator, job: Job, steps: int, gate: int | None) -> dict[str, 
     m = job_manifest(op, job.name, replicas=job.replicas, steps=steps, checkpoint_every=CHECKPOINT_EVERY,
                      gate=gate, trainer_args=MODEL + job.args, max_restarts=50, **size)  # fmt: skip
     m["spec"]["elastic"]["heartbeatTimeoutSeconds"] = HEARTBEAT_TIMEOUT
+    # Every fault here restarts the gang in new pods, the path a lost pod or node always takes;
+    # restarts in place (on by default for dtjob's trainer) have their own e2e tests.
+    m["spec"]["elastic"]["restartInPlace"] = False
     return m
 
 
