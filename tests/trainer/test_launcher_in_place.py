@@ -65,11 +65,17 @@ def _free_port() -> int:
 
 
 def _agents(
-    tmp_path: Path, mode: str, *, pods: tuple[int, ...] = (0, 1), restarts_left: int = 3, permanent: str = "2"
+    tmp_path: Path,
+    mode: str,
+    *,
+    pods: tuple[int, ...] = (0, 1),
+    restarts_left: int = 3,
+    permanent: str = "2",
+    port: int | None = None,
 ) -> dict[int, subprocess.Popen[str]]:
     (tmp_path / "trainer.py").write_text(TRAINER)
     (tmp_path / "standby_marker.py").write_text(MARKER)
-    port = _free_port()
+    port = port or _free_port()
     agents = {}
     for pod in pods:
         env = {
@@ -159,7 +165,7 @@ def test_no_restart_in_place_without_every_pods_agent(tmp_path: Path) -> None:
     (tmp_path / "rank0-round0.json").write_text(json.dumps({"rank": 0, "round": 0, "pid": 0}))
     code, err = _finish(_agents(tmp_path, "kill", pods=(1,)))[1]
     assert code == 128 + signal.SIGKILL
-    assert "the coordinator (pod 0's agent) is not reachable" in err
+    assert "the coordinator (pod 0's agent) is not answering" in err
 
 
 def test_sigterm_reaches_the_trainers_and_the_pod_exits_75_with_restarts_in_place(tmp_path: Path) -> None:
@@ -172,3 +178,18 @@ def test_sigterm_reaches_the_trainers_and_the_pod_exits_75_with_restarts_in_plac
         agent.send_signal(signal.SIGTERM)
     results = _finish(agents)
     assert {pod: code for pod, (code, _) in results.items()} == {0: 75, 1: 75}
+
+
+def test_a_taken_agent_port_turns_restarts_in_place_off_not_the_pod(tmp_path: Path) -> None:
+    # Something else listens there (and never answers): pod 0's agent cannot, and pod 1's agent,
+    # connected to it, hears no coordinator.
+    with socket.create_server(("", 0)) as taken:
+        port = taken.getsockname()[1]
+        agents = _agents(tmp_path, "kill", port=port)
+        code, err = _finish({1: agents[1]})[1]
+        assert code == 128 + signal.SIGKILL, err  # its failure goes to the operator, as without
+        # (the trainer may die before the agent's first beat goes unanswered, or after)
+        assert "the coordinator (pod 0's agent) is not answering" in err or "stopped answering" in err
+        err0 = _stop(agents[0])
+    assert f"cannot listen on DTJOB_AGENT_PORT={port}" in err0
+    assert {r for (_, r) in _records(tmp_path)} == {0}

@@ -36,7 +36,13 @@ from types import FrameType
 from typing import Any
 
 from dtjob import contract
-from dtjob.launcher.coordinator import BEAT_SECONDS, STOP_TIMEOUT_SECONDS, Coordinator, describe_code
+from dtjob.launcher.coordinator import (
+    BEAT_SECONDS,
+    BEAT_TIMEOUT_SECONDS,
+    STOP_TIMEOUT_SECONDS,
+    Coordinator,
+    describe_code,
+)
 from dtjob.launcher.local import POLL_SECONDS, LocalProcesses
 
 # How often an agent tries to reach the coordinator until it does (pod 0 may start after it).
@@ -96,12 +102,16 @@ class Link:
         self.host, self.port, self.pod = host, port, pod
         self.inbox: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self._sock: socket.socket | None = None
-        self._lock = threading.Lock()
+        # Reentrant: the SIGTERM handler sends too, on the main thread, maybe inside a send.
+        self._lock = threading.RLock()
         self._closed = threading.Event()
+        self.heard_at = float("-inf")  # monotonic time of the coordinator's last message
 
     @property
-    def connected(self) -> bool:
-        return self._sock is not None
+    def answering(self) -> bool:
+        """Connected, and the coordinator said something (a beat's ack) within BEAT_TIMEOUT_SECONDS:
+        a frozen pod 0 takes no one's failure for a restart in place."""
+        return self._sock is not None and time.monotonic() - self.heard_at <= BEAT_TIMEOUT_SECONDS
 
     def start(self) -> None:
         threading.Thread(target=self._run, name="dtjob-agent-link", daemon=True).start()
@@ -136,11 +146,15 @@ class Link:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         with self._lock:
             self._sock = sock
+        self.heard_at = time.monotonic()
         self.send({"hello": self.pod})
         threading.Thread(target=self._beat, name="dtjob-agent-beat", daemon=True).start()
         try:
             for line in sock.makefile("r", encoding="utf-8"):
-                self.inbox.put(json.loads(line))
+                self.heard_at = time.monotonic()
+                message = json.loads(line)
+                if "ack" not in message:
+                    self.inbox.put(message)
         except (OSError, ValueError):
             pass
         with self._lock:
@@ -161,8 +175,12 @@ class Agent:
         self.link: Link | None = None
         if in_place and settings.agent_port is not None:
             if settings.pod == 0:
-                self.coordinator = Coordinator(settings.agent_port, settings.pods, settings.restarts_left)
-                self.coordinator.start()
+                try:
+                    self.coordinator = Coordinator(settings.agent_port, settings.pods, settings.restarts_left)
+                    self.coordinator.start()
+                except OSError as err:  # the trainers still run; their failures go to the operator
+                    self._say(f"cannot listen on {contract.ENV_AGENT_PORT}={settings.agent_port}: {err}; "
+                              "no restarts in place")  # fmt: skip
             host = "127.0.0.1" if settings.pod == 0 else settings.master_addr
             self.link = Link(host, settings.agent_port, settings.pod)
             self.link.start()
@@ -222,7 +240,10 @@ class Agent:
             self.link.send({"failed": self.settings.pod, "round": self.round, "rank": rank, "code": code})
             deadline = time.monotonic() + ANSWER_TIMEOUT_SECONDS
             while time.monotonic() < deadline:
-                answer = self._next_message(deadline - time.monotonic())
+                answer = self._next_message(min(0.1, max(0.0, deadline - time.monotonic())))
+                if answer is None and not self.link.answering:
+                    reason = "the coordinator stopped answering"
+                    break
                 if answer is None:
                     continue
                 if "stop" in answer and int(answer["stop"]) == self.round:
@@ -248,8 +269,8 @@ class Agent:
             return "a stale generation is the operator's to replace"
         if self.round >= s.restarts_left:
             return f"no restarts left ({self.round} in place; elastic.maxRestarts)"
-        if self.link is None or not self.link.connected:
-            return "the coordinator (pod 0's agent) is not reachable"
+        if self.link is None or not self.link.answering:
+            return "the coordinator (pod 0's agent) is not answering"
         return None
 
     def _restart(self, round_: int, cause: str) -> int | None:
@@ -262,6 +283,8 @@ class Agent:
             if self.terminating:
                 return 128 + signal.SIGTERM
             answer = self._next_message(min(0.1, max(0.0, deadline - time.monotonic())))
+            if answer is None and not self.link.answering:
+                answer = {"give_up": round_, "reason": "the coordinator stopped answering"}
             if answer is None:
                 continue
             if "start" in answer:

@@ -3,7 +3,7 @@
 Every agent (dtjob.launcher.agent) keeps one TCP connection to the coordinator, which pod 0's
 agent serves on DTJOB_AGENT_PORT, and talks in JSON lines:
 
-    agent -> coordinator   {"hello": POD}   {"beat": POD}   {"terminating": POD}
+    agent -> coordinator   {"hello": POD}   {"beat": POD} (answered {"ack": true})   {"terminating": POD}
                            {"failed": POD, "round": R, "rank": RANK, "code": CODE}
                            {"stopped": POD, "round": R}
     coordinator -> agent   {"stop": R, "cause": TEXT}      kill your trainers of round R, say stopped
@@ -152,6 +152,8 @@ class Coordinator:
             for key in ("hello", "beat", "terminating", "failed", "stopped"):
                 if key in message:
                     self.state.beats[int(str(message[key]))] = now
+            if "beat" in message:  # the agent knows the coordinator is there from the answer
+                self._send(int(str(message["beat"])), {"ack": True})
             if "terminating" in message:
                 self.state.terminating.add(int(str(message["terminating"])))
             if "failed" in message:
