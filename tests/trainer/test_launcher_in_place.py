@@ -5,6 +5,7 @@ standbys; without every pod, restarts left or a restartable exit code, the pod f
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -12,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +66,21 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.fixture(autouse=True)
+def _no_process_left() -> Iterator[None]:
+    """Every agent runs in a session of its own; whatever a test leaves (a failed assertion before
+    its agents exit) is killed with its trainers and standbys."""
+    yield
+    for agent in _STARTED:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(agent.pid, signal.SIGKILL)
+        agent.wait()
+    _STARTED.clear()
+
+
+_STARTED: list[subprocess.Popen[str]] = []
+
+
 def _agents(
     tmp_path: Path,
     mode: str,
@@ -95,7 +112,10 @@ def _agents(
         }
         command = [sys.executable, "-m", "dtjob.launcher", "--", sys.executable, str(tmp_path / "trainer.py"),
                    str(tmp_path), mode]  # fmt: skip
-        agents[pod] = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
+        agents[pod] = subprocess.Popen(
+            command, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True
+        )
+        _STARTED.append(agents[pod])
     return agents
 
 

@@ -5,6 +5,7 @@ imported torch), resume from the step-4 checkpoint and continue the reference ru
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -71,7 +72,8 @@ def _agents(tmp_path: Path, args: list[str], metrics_port: int) -> Gang:
         command = [sys.executable, "-m", "dtjob.launcher", "--", sys.executable, "-m", "dtjob.trainer",
                    *args, "--log-file", str(log_file)]  # fmt: skip
         with (logs / f"rank{pod}.out").open("wb") as out, (logs / f"rank{pod}.err").open("wb") as err:
-            procs.append(subprocess.Popen(command, env=env, stdout=out, stderr=err, cwd=tmp_path))
+            procs.append(subprocess.Popen(command, env=env, stdout=out, stderr=err, cwd=tmp_path,
+                                          start_new_session=True))  # fmt: skip
     return Gang(procs, logs, log_file)
 
 
@@ -99,6 +101,9 @@ def test_a_killed_trainer_restarts_in_place_and_continues_the_same_trajectory(tm
         assert codes == [0, 0], agents.stderr()
         assert reference.wait() == [0], reference.stderr()
     finally:
+        for agent in agents.procs:  # with the trainers and standbys of a failed test
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(agent.pid, signal.SIGKILL)
         agents.kill()
         reference.kill()
 

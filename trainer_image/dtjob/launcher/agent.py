@@ -49,7 +49,7 @@ from dtjob.launcher.local import POLL_SECONDS, LocalProcesses
 CONNECT_RETRY_SECONDS = 0.1
 # How long a failed pod waits for the coordinator's answer: a stop has this long to complete.
 ANSWER_TIMEOUT_SECONDS = STOP_TIMEOUT_SECONDS + 5.0
-NOT_DONE = (contract.EXIT_OK, contract.EXIT_STOPPED)
+NOT_FAILURES = (contract.EXIT_OK, contract.EXIT_STOPPED)  # done, or stopped after a checkpoint
 
 
 @dataclass(frozen=True)
@@ -213,7 +213,7 @@ class Agent:
         if message is not None and "stop" in message:
             return self._restart(int(message["stop"]), str(message.get("cause", "")))
         codes = self.local.poll()
-        failed = next(((i, c) for i, c in enumerate(codes) if c is not None and c not in NOT_DONE), None)
+        failed = next(((i, c) for i, c in enumerate(codes) if c is not None and c not in NOT_FAILURES), None)
         if failed is not None:
             return self._failed(*failed)
         if all(c is not None for c in codes):
