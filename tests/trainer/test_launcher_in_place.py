@@ -133,7 +133,7 @@ def _finish(agents: dict[int, subprocess.Popen[str]], timeout: float = 120) -> d
         try:
             _, err = agent.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            agent.kill()
+            os.killpg(agent.pid, signal.SIGKILL)  # its trainers too: they hold its stderr open
             _, err = agent.communicate()
             pytest.fail(f"agent of pod {pod} did not exit within {timeout}s:\n{err}")
         results[pod] = (agent.returncode, err)

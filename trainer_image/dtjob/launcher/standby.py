@@ -8,10 +8,11 @@ A restarted trainer in a new interpreter spends most of its restart importing: `
 (2.0 s on the 2-core machine of bench/README.md) and `torch._dynamo`, which every torch optimizer
 imports on its first `add_param_group` (1.8 s). A standby has done both before it is needed:
 
-1. It imports PRELOAD (or DTJOB_PRELOAD) on a thread of nice 19, so on a busy pod it only takes
-   idle CPU from the trainer it stands behind (nice is per thread on Linux; the main thread, which
-   later runs the trainer, stays at the pod's priority: an unprivileged process could never lower
-   it again).
+1. It imports PRELOAD (or DTJOB_PRELOAD) on a thread of nice PRELOAD_NICE, so on a busy pod it
+   takes little CPU from the trainer it stands behind (nice is per thread on Linux; the main
+   thread, which later runs the trainer, stays at the pod's priority: an unprivileged process could
+   never lower it again). A standby not ready when a restart comes is not used: a new interpreter
+   at the pod's priority starts sooner than one importing at nice 10.
 2. It writes one byte to FD and shows `(ready)` in its process title, then waits for one JSON line
    on stdin: `{"env": {...}}`, the variables of its round (dtjob.contract.ENV_IN_PLACE_RESTARTS,
    ...). End of file: the agent no longer needs it, and it exits 0.
@@ -43,8 +44,11 @@ from dataclasses import dataclass
 # list) replaces it: a trainer that imports transformers at start names it there too.
 PRELOAD = ("torch", "torch._dynamo")
 ENV_PRELOAD = "DTJOB_PRELOAD"
-# The standby's import thread: the lowest priority, so it never slows the trainer beside it.
-PRELOAD_NICE = 19
+# The standby's import thread: a CFS weight of 110 against a trainer's 1024, about a tenth of a
+# core the trainer keeps busy. At nice 19 (weight 15) a standby on this 2-core machine under load
+# 6 took 25 s to get ready, and the chaos suite's faults met cold standbys; at 10 the 4 CPU-seconds
+# of the import come within ~40 s even beside a trainer using every core.
+PRELOAD_NICE = 10
 _PYTHON = re.compile(r"python(\d+(\.\d+)?)?")
 _PR_SET_PDEATHSIG = 1
 
