@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from dtjob import contract
-from tests.trainer.runtime_gang import SOURCE_ROOTS
+from tests.trainer.runtime_gang import SOURCE_ROOTS, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -60,12 +60,6 @@ open(os.path.join(out, f"ready-{os.environ['RANK']}-{n}"), "w").close()
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(autouse=True)
 def _no_process_left() -> Iterator[None]:
     """Every agent runs in a session of its own; whatever a test leaves (a failed assertion before
@@ -92,7 +86,7 @@ def _agents(
 ) -> dict[int, subprocess.Popen[str]]:
     (tmp_path / "trainer.py").write_text(TRAINER)
     (tmp_path / "standby_marker.py").write_text(MARKER)
-    port = port or _free_port()
+    port = port or free_port()
     agents = {}
     for pod in pods:
         env = {
