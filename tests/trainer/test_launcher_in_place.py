@@ -150,7 +150,8 @@ def test_a_killed_trainer_restarts_the_whole_gang_in_place_from_warm_standbys(tm
         assert again["cause"] == "rank 1 (pod 1) exited 137 (SIGKILL)"
         assert again["warm"], "round 1 ran in a new interpreter, not the standby"
         assert again["pid"] != records[(rank, 0)]["pid"]
-        assert "restart in place 1: rank 1 (pod 1) exited 137 (SIGKILL)" in results[rank][1]
+        said = "restart in place 1: rank 1 (pod 1) exited 137 (SIGKILL) (1 of 1 trainers from warm standbys)"
+        assert said in results[rank][1]
 
 
 def test_a_gang_restarts_in_place_as_often_as_restarts_are_left_then_the_pod_fails(tmp_path: Path) -> None:

@@ -26,7 +26,8 @@ The rules, in the order they are checked:
    (restarts += 1, the job fails once restarts would exceed maxRestarts) sized to what fits now,
    never below minReplicas; a worker that exited 75 on its own (stopped with a checkpoint) or that
    the scheduler preempted restarts the gang uncounted, and its peers get their full grace period
-   to checkpoint.
+   to checkpoint. Restarts the pods' agents made in place (elastic.restartInPlace; rank 0's
+   metrics, or a failed pod's agent's last line) count in restarts as well.
 7. Pods unschedulable past the elastic scheduling timeout shrink the job to what fits (planned);
    a Volcano gang whose members would fit waits instead (its queue or priority holds it).
 8. A healthy gang whose world size differs from the desired one rescales (planned): down at

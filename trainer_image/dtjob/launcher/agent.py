@@ -289,13 +289,11 @@ class Agent:
                 continue
             if "start" in answer:
                 self.round = int(answer["start"])
-                self._say(f"restart in place {self.round}: {answer.get('cause', cause)}")
-                self.local.start(
-                    {
-                        contract.ENV_IN_PLACE_RESTARTS: str(self.round),
-                        contract.ENV_RESTART_CAUSE: str(answer.get("cause", cause)),
-                    }
-                )
+                cause = str(answer.get("cause", cause))
+                env = {contract.ENV_IN_PLACE_RESTARTS: str(self.round), contract.ENV_RESTART_CAUSE: cause}
+                warm = self.local.start(env)
+                self._say(f"restart in place {self.round}: {cause} ({warm} of {self.settings.nproc} "
+                          "trainers from warm standbys)")  # fmt: skip
                 return None
             if "give_up" in answer or not answer:
                 why = str(answer.get("reason", "the coordinator is gone"))

@@ -94,23 +94,27 @@ class LocalProcesses:
         self.target = standby.parse(command) if warm else None
         self.procs: list[subprocess.Popen[bytes]] = []
         self.standbys: list[Standby | None] = [None] * nproc
-        self.warm_starts = 0  # trainers started from a ready standby (the tests read it from the log)
 
-    def start(self, round_env: Mapping[str, str]) -> None:
+    def start(self, round_env: Mapping[str, str]) -> int:
         """Start the round's trainers: from ready standbys, else new interpreters; then a new
-        standby behind each."""
+        standby behind each. Returns how many came from standbys."""
         self.procs = []
+        warm = 0
         for i in range(self.nproc):
             spare = self.standbys[i]
             self.standbys[i] = None
             if spare is not None and spare.ready() and spare.proc.poll() is None:
-                self.procs.append(spare.activate(round_env))
-                self.warm_starts += 1
-                continue
+                try:
+                    self.procs.append(spare.activate(round_env))
+                    warm += 1
+                    continue
+                except OSError:  # it died just now: a new interpreter instead
+                    pass
             if spare is not None:
                 spare.discard()  # still importing: a new interpreter is as fast, at full priority
             self.procs.append(subprocess.Popen(self.command, env={**child_env(self.environ, i), **round_env}))
         self.refill()
+        return warm
 
     def refill(self) -> None:
         """A standby behind every local rank that lacks one (or whose standby died)."""
