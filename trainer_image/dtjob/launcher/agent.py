@@ -212,6 +212,8 @@ class Agent:
         message = self._next_message(POLL_SECONDS)
         if message is not None and "stop" in message:
             return self._restart(int(message["stop"]), str(message.get("cause", "")))
+        if not self.terminating:
+            self.local.refill()
         codes = self.local.poll()
         failed = next(((i, c) for i, c in enumerate(codes) if c is not None and c not in NOT_FAILURES), None)
         if failed is not None:

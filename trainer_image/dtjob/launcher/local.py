@@ -22,6 +22,10 @@ from dtjob.launcher import standby
 # healthy one stops at once, one blocked in a collective never would.
 GRACE_SECONDS = 2.0
 POLL_SECONDS = 0.02
+# A round's standbys start this long after its trainers: a trainer imports torch and torch._dynamo
+# in 4 s on this 2-core machine, and a standby importing beside it from the start left it no core
+# when a restart in place found no standby ready (12 s to the next step instead of 5).
+STANDBY_DELAY_SECONDS = 5.0
 
 
 def exit_status(returncode: int) -> int:
@@ -94,10 +98,11 @@ class LocalProcesses:
         self.target = standby.parse(command) if warm else None
         self.procs: list[subprocess.Popen[bytes]] = []
         self.standbys: list[Standby | None] = [None] * nproc
+        self.started_at = 0.0  # monotonic: when the round's trainers started
 
     def start(self, round_env: Mapping[str, str]) -> int:
-        """Start the round's trainers: from ready standbys, else new interpreters; then a new
-        standby behind each. Returns how many came from standbys."""
+        """Start the round's trainers: from ready standbys, else new interpreters (`refill` puts
+        new standbys behind them later). Returns how many came from standbys."""
         self.procs = []
         warm = 0
         for i in range(self.nproc):
@@ -113,12 +118,13 @@ class LocalProcesses:
             if spare is not None:
                 spare.discard()  # still importing: a new interpreter is as fast, at full priority
             self.procs.append(subprocess.Popen(self.command, env={**child_env(self.environ, i), **round_env}))
-        self.refill()
+        self.started_at = time.monotonic()
         return warm
 
     def refill(self) -> None:
-        """A standby behind every local rank that lacks one (or whose standby died)."""
-        if self.target is None:
+        """A standby behind every local rank that lacks one (or whose standby died), once the
+        round's trainers have had STANDBY_DELAY_SECONDS to start."""
+        if self.target is None or time.monotonic() - self.started_at < STANDBY_DELAY_SECONDS:
             return
         for i, spare in enumerate(self.standbys):
             if spare is not None and spare.proc.poll() is None:
