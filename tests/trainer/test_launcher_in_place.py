@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from dtjob import contract
+from dtjob.launcher.coordinator import STOP_TIMEOUT_SECONDS, Coordinator
 from tests.trainer.runtime_gang import SOURCE_ROOTS, free_port
 
 pytestmark = pytest.mark.slow
@@ -208,3 +209,32 @@ def test_a_taken_agent_port_turns_restarts_in_place_off_not_the_pod(tmp_path: Pa
         err0 = _stop(agents[0])
     assert f"cannot listen on DTJOB_AGENT_PORT={port}" in err0
     assert {r for (_, r) in _records(tmp_path)} == {0}
+
+
+def _lines(sock: socket.socket) -> Iterator[dict[str, Any]]:
+    for line in sock.makefile("r", encoding="utf-8"):
+        message = json.loads(line)
+        if "ack" not in message:
+            yield message
+
+
+def test_the_coordinator_refuses_another_job_and_gives_up_when_a_pod_leaves_mid_restart() -> None:
+    coordinator = Coordinator(free_port(), pods=2, restarts_left=3, job_uid="uid-a")
+    coordinator.start()
+    address = ("127.0.0.1", coordinator.port)
+    with socket.create_connection(address, timeout=10) as stranger:
+        stranger.sendall(b'{"hello": 1, "job": "uid-b"}\n')
+        assert stranger.recv(100) == b"", "another job's agent is not let in"
+    pod0, pod1 = (socket.create_connection(address, timeout=10) for _ in range(2))
+    with pod0, pod1:
+        for pod, sock in enumerate((pod0, pod1)):
+            sock.sendall(f'{{"hello": {pod}, "job": "uid-a"}}\n'.encode())
+        pod1.sendall(b'{"failed": 1, "round": 0, "rank": 1, "code": 137}\n')
+        said0, said1 = _lines(pod0), _lines(pod1)
+        assert next(said0) == {"stop": 0, "cause": "rank 1 (pod 1) exited 137 (SIGKILL)"}
+        assert next(said1)["stop"] == 0
+        pod0.sendall(b'{"stopped": 0, "round": 0}\n')
+        pod1.shutdown(socket.SHUT_RDWR)  # its pod went away before it stopped its trainers
+        started = time.monotonic()
+        assert next(said0) == {"give_up": 0, "reason": "the agent of pod 1 left during the restart in place"}
+        assert time.monotonic() - started < STOP_TIMEOUT_SECONDS, "at once, not after the stop timeout"

@@ -63,6 +63,7 @@ class AgentSettings:
     agent_port: int | None  # None: no restarts in place
     restarts_left: int
     permanent_codes: frozenset[int]
+    job_uid: str = ""  # DTJOB_JOB_UID: which gang an agent's hello is for
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> AgentSettings:
@@ -90,6 +91,7 @@ class AgentSettings:
             agent_port=port or None,
             restarts_left=number(contract.ENV_RESTARTS_LEFT, 0),
             permanent_codes=permanent,
+            job_uid=env.get(contract.ENV_JOB_UID) or "",
         )
 
 
@@ -98,8 +100,8 @@ class Link:
     beats every BEAT_SECONDS, and puts what the coordinator says into `inbox` (None when the
     connection is lost)."""
 
-    def __init__(self, host: str, port: int, pod: int) -> None:
-        self.host, self.port, self.pod = host, port, pod
+    def __init__(self, host: str, port: int, pod: int, job_uid: str = "") -> None:
+        self.host, self.port, self.pod, self.job_uid = host, port, pod, job_uid
         self.inbox: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self._sock: socket.socket | None = None
         # Reentrant: the SIGTERM handler sends too, on the main thread, maybe inside a send.
@@ -147,7 +149,7 @@ class Link:
         with self._lock:
             self._sock = sock
         self.heard_at = time.monotonic()
-        self.send({"hello": self.pod})
+        self.send({"hello": self.pod, "job": self.job_uid})
         threading.Thread(target=self._beat, name="dtjob-agent-beat", daemon=True).start()
         try:
             for line in sock.makefile("r", encoding="utf-8"):
@@ -176,13 +178,15 @@ class Agent:
         if in_place and settings.agent_port is not None:
             if settings.pod == 0:
                 try:
-                    self.coordinator = Coordinator(settings.agent_port, settings.pods, settings.restarts_left)
+                    self.coordinator = Coordinator(
+                        settings.agent_port, settings.pods, settings.restarts_left, settings.job_uid
+                    )
                     self.coordinator.start()
                 except OSError as err:  # the trainers still run; their failures go to the operator
                     self._say(f"cannot listen on {contract.ENV_AGENT_PORT}={settings.agent_port}: {err}; "
                               "no restarts in place")  # fmt: skip
             host = "127.0.0.1" if settings.pod == 0 else settings.master_addr
-            self.link = Link(host, settings.agent_port, settings.pod)
+            self.link = Link(host, settings.agent_port, settings.pod, settings.job_uid)
             self.link.start()
         self.round = 0
         self.terminating = False

@@ -3,7 +3,8 @@
 Every agent (dtjob.launcher.agent) keeps one TCP connection to the coordinator, which pod 0's
 agent serves on DTJOB_AGENT_PORT, and talks in JSON lines:
 
-    agent -> coordinator   {"hello": POD}   {"beat": POD} (answered {"ack": true})   {"terminating": POD}
+    agent -> coordinator   {"hello": POD, "job": UID}   {"beat": POD} (answered {"ack": true})
+                           {"terminating": POD}
                            {"failed": POD, "round": R, "rank": RANK, "code": CODE}
                            {"stopped": POD, "round": R}
     coordinator -> agent   {"stop": R, "cause": TEXT}      kill your trainers of round R, say stopped
@@ -16,6 +17,11 @@ every agent to stop its trainers, waits until all said they did (so no trainer o
 anywhere when one of round R + 1 starts: they share MASTER_PORT and the checkpoint directory), and
 starts round R + 1 everywhere. Otherwise it gives up, and the failure goes to the operator as
 before: the pod fails and the operator restarts the gang in new pods.
+
+An agent says its job's uid (DTJOB_JOB_UID) in its hello, and the coordinator drops a connection
+that says another, or anything before a hello: a pod of another job that reaches the port cannot
+join the gang by mistake. Not a secret against whoever can read the job (as with torch's TCPStore
+on MASTER_PORT, the pod network is trusted).
 """
 
 from __future__ import annotations
@@ -109,8 +115,9 @@ def decide(state: GangState, failure: Failure, now: float) -> Restart | GiveUp |
 class Coordinator:
     """The TCP server in pod 0's agent (see the module docstring)."""
 
-    def __init__(self, port: int, pods: int, restarts_left: int) -> None:
+    def __init__(self, port: int, pods: int, restarts_left: int, job_uid: str = "") -> None:
         self.state = GangState(pods, restarts_left)
+        self.job_uid = job_uid
         self._lock = threading.Lock()
         self._conns: dict[int, socket.socket] = {}
         self._stopped: set[int] = set()
@@ -133,9 +140,14 @@ class Coordinator:
             for line in conn.makefile("r", encoding="utf-8"):
                 message = json.loads(line)
                 if "hello" in message:
+                    if message.get("job", "") != self.job_uid:
+                        log.warning("dtjob-coordinator: refused an agent of job uid %r", message.get("job"))
+                        return
                     pod = int(message["hello"])
                     with self._lock:
                         self._conns[pod] = conn
+                elif pod is None:
+                    return  # not an agent of this gang: it said no hello first
                 self._handle(message)
         except (OSError, ValueError) as err:
             log.debug("coordinator: connection of pod %s: %s", pod, err)
@@ -144,6 +156,8 @@ class Coordinator:
                 if pod is not None and self._conns.get(pod) is conn:
                     del self._conns[pod]
                     self.state.beats.pop(pod, None)
+                    if self.state.restarting and pod not in self._stopped:
+                        self._give_up(f"the agent of pod {pod} left during the restart in place")
             conn.close()
 
     def _handle(self, message: dict[str, object]) -> None:
@@ -192,11 +206,15 @@ class Coordinator:
             if not self.state.restarting or self.state.round != round_:
                 return
             late = sorted(set(range(self.state.pods)) - self._stopped)
-            reason = f"pod {late[0]} did not stop its trainers within {STOP_TIMEOUT_SECONDS:g}s"
-            self.state.given_up = True
-            self.state.restarting = False
-            log.warning("dtjob-coordinator: %s; giving up the restart in place", reason)
-            self._broadcast({"give_up": round_, "reason": reason})
+            self._give_up(f"pod {late[0]} did not stop its trainers within {STOP_TIMEOUT_SECONDS:g}s")
+
+    def _give_up(self, reason: str) -> None:
+        """The restart in place under way cannot complete: every agent leaves failing, and the
+        operator restarts the gang in new pods."""
+        self.state.given_up = True
+        self.state.restarting = False
+        log.warning("dtjob-coordinator: %s; giving up the restart in place", reason)
+        self._broadcast({"give_up": self.state.round, "reason": reason})
 
     def _broadcast(self, message: dict[str, object]) -> None:
         for pod in list(self._conns):
