@@ -21,12 +21,13 @@ from kubernetes import config
 
 from dtjob.operator.actions import CreatePod, CreateService, DeletePod, EmitEvent, PatchStatus
 from dtjob.operator.jobview import JobView
-from dtjob.operator.kube import ActionFailed, Kube
+from dtjob.operator.kube import Kube
 from dtjob.operator.manifests import headless_service, worker_pod
 from dtjob.operator.metrics import OperatorMetrics
 from dtjob.operator.passes import JobPassRunner
 from dtjob.operator.settings import ObserverSettings, OperatorSettings, RetrySettings
 from dtjob.operator.worker_defaults import WorkerDefaults
+from dtjob.operator.writer import ActionFailed
 from tests.e2e.conftest import Devcluster, kubectl, kubectl_json, wait_for
 from tests.e2e.operator_harness import ensure_crd
 
@@ -166,7 +167,10 @@ def test_a_failing_pass_is_reported_retried_with_backoff_and_recovers(namespace:
     make_job(namespace, "backoff")
     try:
         started = time.monotonic()
-        runner.trigger(namespace, "backoff")
+        runner.trigger(namespace, "backoff")  # the pass hands its writes over and returns
+        # The pod creation fails after its pass; the next pass reports it and backs off.
+        wait_for("the failed creation", lambda: runner.failing_attempts(namespace, "backoff") > 0,
+                 timeout=30, interval=0.01)  # fmt: skip
         reported = time.monotonic() - started
         assert runner.failing_attempts(namespace, "backoff") == 1
         triggered = 0
@@ -174,6 +178,7 @@ def test_a_failing_pass_is_reported_retried_with_backoff_and_recovers(namespace:
             runner.trigger(namespace, "backoff")  # waits for the scheduled retry: no pass
             triggered += 1
         assert triggered > 0 and runner.failing_attempts(namespace, "backoff") == 1
+        wait_for("the report on the job", lambda: "Reconciled" in conditions(namespace, "backoff"))
         reconciled = conditions(namespace, "backoff")["Reconciled"]
         assert (reconciled["status"], reconciled["reason"]) == ("False", "ActionFailed")
         assert "creating pod backoff-worker-0: 403 Forbidden" in reconciled["message"]
@@ -190,6 +195,7 @@ def test_a_failing_pass_is_reported_retried_with_backoff_and_recovers(namespace:
     wait_for(
         "the retry to create the pod", lambda: runner.failing_attempts(namespace, "backoff") == 0, timeout=30
     )
+    wait_for("Recovered", lambda: conditions(namespace, "backoff")["Reconciled"]["status"] == "True")
     reconciled = conditions(namespace, "backoff")["Reconciled"]
     assert (reconciled["status"], reconciled["reason"]) == ("True", "Reconciled")
     assert kubectl("get", "pod", "backoff-worker-0", "-n", namespace).returncode == 0

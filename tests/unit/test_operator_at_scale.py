@@ -7,16 +7,19 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
 from dtjob.operator.actions import PatchStatus
 from dtjob.operator.capacity import node_admits, workers_that_fit
-from dtjob.operator.kube import JobChanged
+from dtjob.operator.expectations import overlay
+from dtjob.operator.jobview import JobView
 from dtjob.operator.metrics import OperatorMetrics
 from dtjob.operator.passes import JobPassRunner
 from dtjob.operator.reconciler import Observed, plan, reconcile
 from dtjob.operator.settings import OperatorSettings, ReconcilerSettings
+from dtjob.operator.writer import JobChanged, JobWriter, Outcome
 from tests.unit.reconciler_fixtures import (
     at,
     creates,
@@ -145,13 +148,14 @@ def test_watches_trigger_passes_only_for_jobs_kopf_handed_over_lately() -> None:
 
 class PlainKube:
     """A job that is there, on one node, and whose first `conflicts` status patches are refused
-    (it changed after the pass read it)."""
+    (it changed after the pass read it). Its passes' actions go through the operator's writer."""
 
     def __init__(self, conflicts: int = 0) -> None:
-        self.executed: list[list[Any]] = []
+        self.executed: list[list[Any]] = []  # the actions of each pass whose status patch went through
         self.conflicts = conflicts
         self.passes: list[str] = []
         self.done = threading.Semaphore(0)
+        self.writer = JobWriter(self._head, self._pod, lambda job, event: None, 2, 4)
 
     def get_job(self, namespace: str, name: str, fresh: bool = False) -> dict[str, Any]:
         self.passes.append(name)
@@ -161,18 +165,40 @@ class PlainKube:
     def observe(self, job: dict[str, Any]) -> Observed:
         return Observed(job=job, pods=[], nodes=[make_node("n1", cpu="8")], now=datetime.now(UTC))
 
-    def execute(self, job: dict[str, Any], actions: list[Any]) -> None:
-        if self.conflicts:
+    def submit(self, job: dict[str, Any], actions: list[Any], on_head: Outcome, on_done: Outcome) -> Any:
+        def recorded(error: Exception | None) -> None:
+            if error is None:
+                self.executed.append(actions)
+            on_head(error)
+
+        return self.writer.submit(job, actions, recorded, on_done)
+
+    def when_drained(self, job: tuple[str, str], at_most: int, fn: Callable[[], object]) -> None:
+        self.writer.when_drained(job, at_most, fn)
+
+    def _head(self, job: JobView, action: Any) -> None:
+        if isinstance(action, PatchStatus) and self.conflicts:
             self.conflicts -= 1
             raise JobChanged("ns/gpt changed since the pass read it")
-        self.executed.append(actions)
+
+    def _pod(self, namespace: str, write: Any) -> None:
+        pass
+
+
+def settle(condition: Callable[[], bool], timeout: float = 10) -> None:
+    """Waits for the runner's threads to make `condition` true."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
 
 
 def test_a_pass_whose_job_changed_before_its_status_patch_decides_again_without_an_error() -> None:
     kube = PlainKube(conflicts=1)
     runner = JobPassRunner(kube, OperatorMetrics(), OperatorSettings())  # type: ignore[arg-type]
     runner.trigger("ns", "gpt")
-    assert len(kube.executed) == 1, "the pass ran again at once"
+    settle(lambda: len(kube.executed) == 1)
+    assert kube.passes == ["gpt", "gpt"], "the pass ran again at once"
     assert isinstance(kube.executed[0][0], PatchStatus) and kube.executed[0][0].status["phase"] == "Pending"
     assert runner.failing_attempts("ns", "gpt") == 0, "a changed job is no error"
 
@@ -217,11 +243,10 @@ class RememberingKube(PlainKube):
         super().get_job(namespace, name, fresh)
         return self.job
 
-    def execute(self, job: dict[str, Any], actions: list[Any]) -> None:
-        super().execute(job, actions)
-        for action in actions:
-            if isinstance(action, PatchStatus):
-                self.job = {**self.job, "status": {**(self.job.get("status") or {}), **action.status}}
+    def _head(self, job: JobView, action: Any) -> None:
+        super()._head(job, action)
+        if isinstance(action, PatchStatus):
+            self.job = {**self.job, "status": {**(self.job.get("status") or {}), **action.status}}
 
 
 def test_a_tick_runs_a_pass_only_when_one_is_due() -> None:
@@ -231,6 +256,7 @@ def test_a_tick_runs_a_pass_only_when_one_is_due() -> None:
     runner = JobPassRunner(kube, OperatorMetrics(), settings, clock=lambda: now[0])  # type: ignore[arg-type]
     runner.tick("ns", "gpt")
     assert kube.done.acquire(timeout=5), "a job without a pass yet gets one at its first tick"
+    settle(lambda: len(kube.executed) == 1)  # its status patch answered: the pass is over
     for t in (5.0, 10.0, 55.0):  # waiting for its workers: only their pods' events change that
         now[0] = t
         runner.tick("ns", "gpt")
@@ -247,6 +273,7 @@ def test_a_deadline_the_last_pass_named_gets_a_pass_of_its_own_when_it_falls_due
     runner.trigger("ns", "gpt")  # starts the job: startTime now (to the second), deadline 1 s later
     assert kube.done.acquire(timeout=5)
     assert kube.done.acquire(timeout=5), "no pass at the deadline, though nothing else would come"
+    settle(lambda: len(kube.executed) == 2)  # the pass at the deadline wrote its status
     phase = (kube.job.get("status") or {}).get("phase")
     assert phase == "Failed", f"the pass at the deadline failed the job: {phase}"
     assert not kube.done.acquire(timeout=1.5), "a failed job without a TTL wants no more passes"
@@ -278,25 +305,27 @@ def test_a_big_gang_is_created_and_deleted_a_bounded_number_of_pods_per_pass() -
 
 
 class PodsKube(RememberingKube):
-    """RememberingKube whose pod creations show at once, as the cache's assumed answers do."""
+    """RememberingKube whose pod creations show once answered, as the cache's assumed answers
+    do, and before as the writer's expectations."""
 
     def __init__(self) -> None:
         super().__init__()
         self.pods: list[dict[str, Any]] = []
 
     def observe(self, job: dict[str, Any]) -> Observed:
-        return Observed(job=job, pods=self.pods, nodes=[make_node("n1", cpu="8")], now=datetime.now(UTC))
+        now = datetime.now(UTC)
+        pods = overlay(list(self.pods), self.writer.expectations.pending(("ml", "gpt")), now)
+        return Observed(job=job, pods=pods, nodes=[make_node("n1", cpu="8")], now=now)
 
-    def execute(self, job: dict[str, Any], actions: list[Any]) -> None:
-        super().execute(job, actions)
-        for c in creates(actions):
-            self.pods.append(make_pod(int(env_of(c.manifest)["RANK"]), phase="Pending", node=None))
+    def _pod(self, namespace: str, write: Any) -> None:
+        self.pods.append(make_pod(int(env_of(write.manifest)["RANK"]), phase="Pending", node=None))
 
 
 def test_a_pass_that_left_pod_writes_over_is_followed_by_the_next_at_once() -> None:
     kube = PodsKube()
     settings = OperatorSettings(trigger_delay_seconds=0, reconciler=ReconcilerSettings(pod_writes_per_pass=1))
     runner = JobPassRunner(kube, OperatorMetrics(), settings)  # type: ignore[arg-type]
-    runner.trigger("ns", "gpt")  # one trigger: the passes run one after the other, in this thread
+    runner.trigger("ml", "gpt")  # one trigger: the next pass follows on the runner's threads
+    settle(lambda: len(kube.pods) == 2)
     assert [len(creates(a)) for a in kube.executed] == [1, 1], kube.executed
     assert sorted(env_of(c.manifest)["RANK"] for a in kube.executed for c in creates(a)) == ["0", "1"]

@@ -1,7 +1,9 @@
 """The operator's Kubernetes client: observe a job's world, execute the reconciler's actions.
 
-Synchronous (the kubernetes client); kopf runs the sync handlers in its thread pool. Every call
-here is idempotent under retries: creates tolerate AlreadyExists, deletes tolerate NotFound.
+Synchronous calls (the kubernetes client) on threads: a pass's actions go to the writer
+(dtjob.operator.writer, `submit`), which calls them on its pools; `execute` carries actions out
+and waits (the runner's reports on a job). Every write here is idempotent under retries: creates
+tolerate AlreadyExists, deletes tolerate NotFound.
 """
 
 from __future__ import annotations
@@ -9,8 +11,8 @@ from __future__ import annotations
 import copy
 import json
 import logging
-from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
 from datetime import UTC, datetime
 from typing import Any, cast
 from urllib.parse import urlsplit
@@ -34,6 +36,7 @@ from dtjob.operator.actions import (
     PatchStatus,
 )
 from dtjob.operator.cache import ClusterCache, Trigger
+from dtjob.operator.expectations import Key, overlay
 from dtjob.operator.jobview import API_VERSION, GROUP, KIND, PLURAL, VERSION, JobView
 from dtjob.operator.manifests import PODGROUP_API_VERSION
 from dtjob.operator.metrics import OperatorMetrics
@@ -42,6 +45,7 @@ from dtjob.operator.rawapi import RawApi, quoted
 from dtjob.operator.reconciler import Observed, Worker, silent_deletion
 from dtjob.operator.scrape import Scraper, Target
 from dtjob.operator.settings import ObserverSettings
+from dtjob.operator.writer import ActionFailed, JobChanged, JobWriter, Outcome
 
 log = logging.getLogger("dtjob.operator")
 PODGROUP_GROUP, PODGROUP_VERSION = PODGROUP_API_VERSION.split("/")
@@ -126,7 +130,7 @@ class Kube:
         # Every pod write of the pool may hold a connection at once, beside the watches and the
         # passes' own reads; urllib3's default pool keeps 5 per CPU, and a request past it opens
         # (and then drops) a connection of its own.
-        configuration.connection_pool_maxsize = settings.api_concurrency + 16
+        configuration.connection_pool_maxsize = settings.api_concurrency + settings.job_write_concurrency + 16
         self.api = client.ApiClient(configuration)
         _count_requests(self.api, metrics)
         self.core = client.CoreV1Api(self.api)
@@ -135,7 +139,14 @@ class Kube:
         self.metrics = metrics
         self.cache = ClusterCache(self.raw, namespaces)
         self.scraper = Scraper(settings)
-        self._writes = ThreadPoolExecutor(settings.api_concurrency, thread_name_prefix="kube-write")
+        self.writer = JobWriter(
+            head=self._execute_one,
+            pod=self._pod_write,
+            event=self._event,
+            head_concurrency=settings.job_write_concurrency,
+            pod_concurrency=settings.api_concurrency,
+            observe=lambda kind, seconds: metrics.write_seconds.labels(write=kind).observe(seconds),
+        )
 
     def start(self, trigger: Trigger) -> None:
         """Starts the caches' watches; `trigger(namespace, name, urgent)` is called (from their
@@ -171,8 +182,12 @@ class Kube:
     def observe(self, job: dict[str, Any]) -> Observed:
         self.cache.wait_synced(self.settings.cache_sync_timeout_seconds)
         view = JobView(job)
+        now = datetime.now(UTC)
+        # The writes in flight before the cache: a write answered in between is in the cache then.
+        pending = self.writer.expectations.pending((view.namespace, view.name))
+        cached = self.cache.job_pods(view.namespace, view.name)
         # Only pods this job controls (a same-named predecessor's pods are left to the GC).
-        pods = [p for p in self.cache.job_pods(view.namespace, view.name) if _controlled_by(p, view.uid)]
+        pods = [p for p in overlay(cached, pending, now) if _controlled_by(p, view.uid)]
         # An invalid spec is reported by the reconciler; observing must not trip over it first.
         spec_ok = not view.spec_errors
         podgroup = self._get_podgroup(view) if spec_ok and view.uses_podgroup else None
@@ -181,7 +196,7 @@ class Kube:
             job=job,
             pods=pods,
             nodes=self.cache.node_list(),
-            now=datetime.now(UTC),
+            now=now,
             node_pods=self.cache.bound_pods(),
             service_exists=self.cache.service_exists(view.namespace, view.name),
             podgroup=podgroup,
@@ -303,9 +318,22 @@ class Kube:
         return final_state_from_log(str(text))
 
     # acting -------------------------------------------------------------------------------
+    def submit(
+        self, job: Mapping[str, Any], actions: list[Action], on_head: Outcome, on_done: Outcome
+    ) -> Future[None] | None:
+        """Hand a pass's actions to the writer (dtjob.operator.writer) and return at once: the
+        future resolves once the job's status and other own writes are answered (the job's next
+        pass waits for it), `on_done` once its pod writes are."""
+        return self.writer.submit(job, actions, on_head, on_done)
+
+    def when_drained(self, job: Key, at_most: int, fn: Callable[[], object]) -> None:
+        """`fn()` once the job has at most `at_most` pod writes in flight."""
+        self.writer.when_drained(job, at_most, fn)
+
     def execute(self, job: Mapping[str, Any], actions: list[Action]) -> None:
-        """Carry the actions out in order; the first that fails raises ActionFailed (the rest are
-        left for the next pass, which decides again from what it sees). A run of pod creations
+        """Carry the actions out in order and wait for them (the runner's reports on the job; a
+        pass uses `submit`); the first that fails raises ActionFailed (the rest are left for the
+        next pass, which decides again from what it sees). A run of pod creations
         and deletions goes out settings.api_concurrency at a time; when some of them fail, the
         others still happen, and the first failed one (in the reconciler's order) is raised."""
         view = JobView(job)
@@ -334,7 +362,7 @@ class Kube:
                 reasons = sorted({w.reason for w in group if isinstance(w, DeletePod)})
                 why = f": {'; '.join(reasons)}" if reasons else ""
                 log.info("%s/%s: %s %s%s", ns, name, kind, _names([w.name for w in group]), why)
-        futures = [self._writes.submit(self._pod_write, ns, w) for w in writes]
+        futures = [self.writer.pool.submit(self._pod_write, ns, w) for w in writes]
         for write, future in zip(writes, futures, strict=True):
             error = future.exception()
             if error is not None and not isinstance(error, Exception):
@@ -439,43 +467,8 @@ class Kube:
             )
 
 
-class JobChanged(Exception):
-    """The job changed between the pass's read and its status patch (which was refused): the
-    pass decided on an old version, and runs again on the new one (no error)."""
-
-
 def _get_rv(job: Mapping[str, Any]) -> str:
     return str((job.get("metadata") or {}).get("resourceVersion") or "")
-
-
-class ActionFailed(Exception):
-    """An action the API server (or the kubernetes client) refused; `error` says why."""
-
-    def __init__(self, action: Action, error: Exception) -> None:
-        super().__init__(f"{describe_action(action)}: {error}")
-        self.action = action
-        self.error = error
-
-
-def describe_action(action: Action) -> str:
-    """What an action does, in the words of an error message ("creating pod gpt-worker-0")."""
-    match action:
-        case PatchStatus():
-            return "writing the job's status"
-        case CreateService(manifest=manifest):
-            return f"creating Service {manifest['metadata']['name']}"
-        case ApplyPodGroup(manifest=manifest):
-            return f"applying PodGroup {manifest['metadata']['name']}"
-        case CreatePod():
-            return f"creating pod {action.name}"
-        case DeletePod(name=pod):
-            return f"deleting pod {pod}"
-        case DeleteJob():
-            return "deleting the job"
-        case EmitEvent(reason=reason):
-            return f"posting event {reason}"
-        case _:
-            return f"recording {type(action).__name__}"
 
 
 def _log_waiting(ns: str, name: str, before: Mapping[str, Any], patch: Mapping[str, Any]) -> None:

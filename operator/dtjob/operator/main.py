@@ -64,6 +64,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         ("--cache-sync-timeout-seconds", float, o.cache_sync_timeout_seconds,
          "a pass waits this long for the caches of pods, nodes and Services to list once"),
         ("--api-concurrency", int, o.api_concurrency, "pod creations and deletions in flight at once"),
+        ("--job-write-concurrency", int, o.job_write_concurrency,
+         "status patches and other writes to jobs in flight at once"),
         ("--metrics-timeout-seconds", float, o.metrics_timeout_seconds, "timeout of one scrape of rank 0"),
         ("--scrape-workers", int, o.scrape_workers, "threads scraping rank 0 of every job"),
         ("--scrape-interval-seconds", float, o.scrape_interval_seconds,
@@ -113,6 +115,7 @@ def build_settings(args: argparse.Namespace, env: Mapping[str, str]) -> Operator
         observer=ObserverSettings(
             cache_sync_timeout_seconds=args.cache_sync_timeout_seconds,
             api_concurrency=args.api_concurrency,
+            job_write_concurrency=args.job_write_concurrency,
             metrics_timeout_seconds=args.metrics_timeout_seconds,
             scrape_workers=args.scrape_workers,
             scrape_interval_seconds=args.scrape_interval_seconds,

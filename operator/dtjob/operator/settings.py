@@ -80,9 +80,14 @@ class ObserverSettings:
     and is retried with backoff."""
 
     api_concurrency: int = 32
-    """Pod creations and deletions in flight at once, over all jobs: a 1,024-worker gang is
-    created in 32 waves instead of one request after the other, and the API server never sees
-    more than this many of the operator's writes at a time."""
+    """Pod creations and deletions (and events) in flight at once, over all jobs: a 1,024-worker
+    gang is created in 32 waves instead of one request after the other, and the API server never
+    sees more than this many of the operator's pod writes at a time."""
+
+    job_write_concurrency: int = 16
+    """Status patches (with a pass's other writes to the job's own objects: its Service, PodGroup,
+    its deletion) in flight at once, over all jobs; one per job at a time. A pool apart from the
+    pod writes', so a job's status never waits behind another job's 1,024 pod creations."""
 
     metrics_timeout_seconds: float = 1.0
     """Timeout of one scrape of rank 0's metrics endpoint (scrapes run in the background; no
@@ -106,7 +111,8 @@ class ObserverSettings:
 
     def __post_init__(self) -> None:
         _check_positive(
-            self, "cache_sync_timeout_seconds", "api_concurrency", "metrics_timeout_seconds",
+            self, "cache_sync_timeout_seconds", "api_concurrency", "job_write_concurrency",
+            "metrics_timeout_seconds",
             "scrape_workers", "scrape_interval_seconds", "scrape_backoff_max_seconds",
             "log_tail_lines", "log_reads_per_pass",
         )  # fmt: skip
