@@ -11,6 +11,9 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
+import pytest
+
+from dtjob.operator import manifests
 from dtjob.operator.actions import PatchStatus
 from dtjob.operator.capacity import node_admits, workers_that_fit
 from dtjob.operator.expectations import overlay
@@ -329,3 +332,22 @@ def test_a_pass_that_left_pod_writes_over_is_followed_by_the_next_at_once() -> N
     settle(lambda: len(kube.pods) == 2)
     assert [len(creates(a)) for a in kube.executed] == [1, 1], kube.executed
     assert sorted(env_of(c.manifest)["RANK"] for a in kube.executed for c in creates(a)) == ["0", "1"]
+
+
+def test_a_pass_builds_only_the_pod_manifests_it_sends(monkeypatch: pytest.MonkeyPatch) -> None:
+    built: list[int] = []
+    worker_pod = manifests.worker_pod
+
+    def counted(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        built.append(args[1])
+        return worker_pod(*args, **kwargs)
+
+    monkeypatch.setattr(manifests, "worker_pod", counted)
+    settings = ReconcilerSettings(pod_writes_per_pass=96)
+    job = make_job(replicas=1024, min_replicas=1, max_replicas=1024, cpu="100m")
+    nodes = [make_node(f"n{i}", cpu="64") for i in range(4)]
+    started = status_patch(reconcile(Observed(job=job, pods=[], nodes=nodes, now=at(0)), settings))
+    built.clear()  # the first pass creates generation 0's first pods already
+    decided = plan(Observed(job={**job, "status": started}, pods=[], nodes=nodes, now=at(1)), settings)
+    assert len(creates(decided.actions)) == 96 and decided.more
+    assert built == list(range(96)), "1,024 manifests built for 96 creations"
