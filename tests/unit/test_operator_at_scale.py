@@ -317,8 +317,11 @@ class PodsKube(RememberingKube):
 
     def observe(self, job: dict[str, Any]) -> Observed:
         now = datetime.now(UTC)
-        pods = overlay(list(self.pods), self.writer.expectations.pending(("ml", "gpt")), now)
-        return Observed(job=job, pods=pods, nodes=[make_node("n1", cpu="8")], now=now)
+        expected = self.writer.expectations.pending(("ml", "gpt"))
+        in_flight = sum(len(writes) for writes in expected.values())
+        pods = overlay(list(self.pods), expected, now)
+        nodes = [make_node("n1", cpu="8")]
+        return Observed(job=job, pods=pods, nodes=nodes, now=now, pod_writes_in_flight=in_flight)
 
     def _pod(self, namespace: str, write: Any) -> None:
         self.pods.append(make_pod(int(env_of(write.manifest)["RANK"]), phase="Pending", node=None))

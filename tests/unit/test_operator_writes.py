@@ -24,6 +24,7 @@ from dtjob.operator.actions import (
 )
 from dtjob.operator.expectations import Expectations, overlay
 from dtjob.operator.jobview import JobView
+from dtjob.operator.kube import same_but_bookkeeping
 from dtjob.operator.metrics import OperatorMetrics
 from dtjob.operator.passes import JobPassRunner
 from dtjob.operator.reconciler import Observed, Worker, plan, reconcile, silent_deletion
@@ -77,6 +78,18 @@ def test_creations_in_flight_are_pending_pods_and_the_next_pass_creates_the_rest
     assert sorted(r for m in made for r in m) == list(range(200)), "each rank created once"
     seen = [Worker.of(p) for p in overlay([], pending(*in_flight), at(1))]
     assert {(w.phase, w.node_name, w.generation, w.created) for w in seen} == {("Pending", None, 0, at(1))}
+
+
+def test_a_pass_sends_no_more_pod_writes_than_twice_its_bound_less_those_in_flight() -> None:
+    settings = ReconcilerSettings(pod_writes_per_pass=96)
+    job = make_job(replicas=400, min_replicas=1, max_replicas=400, cpu="100m")
+    nodes = [make_node(f"n{i}", cpu="64") for i in range(4)]
+    started = reconcile(Observed(job=job, pods=[], nodes=nodes, now=at(0)), settings)
+    job = {**job, "status": status_patch(started)}
+    for in_flight, sent in ((0, 96), (96, 96), (150, 42), (192, 0), (300, 0)):
+        seen = Observed(job=job, pods=[], nodes=nodes, now=at(1), pod_writes_in_flight=in_flight)
+        decided = plan(seen, settings)
+        assert (len(creates(decided.actions)), decided.more) == (sent, True), in_flight
 
 
 def test_a_pod_the_cache_holds_wins_over_its_creation_in_flight() -> None:
@@ -326,9 +339,10 @@ class WritingKube:
         expected = self.writer.expectations.pending(JOB)
         with self.lock:
             cached = [self.pods[name] for name in sorted(self.pods)]
-        return Observed(
-            job=job, pods=overlay(cached, expected, now), nodes=[make_node("n1", cpu="64")], now=now
-        )
+        pods = overlay(cached, expected, now)
+        in_flight = sum(len(writes) for writes in expected.values())
+        nodes = [make_node("n1", cpu="64")]
+        return Observed(job=job, pods=pods, nodes=nodes, now=now, pod_writes_in_flight=in_flight)
 
     def submit(self, job: dict[str, Any], actions: list[Action], on_head: Outcome, on_done: Outcome) -> Any:
         return self.writer.submit(job, actions, on_head, on_done)
@@ -377,9 +391,10 @@ def test_the_next_pass_runs_while_pod_writes_are_in_flight_and_does_not_repeat_t
     # pod_writes_per_pass=1: the second pass runs while the first one's creation is unanswered...
     settle(lambda: len(kube.sent) == 2)
     assert kube.sent == ["gpt-worker-0", "gpt-worker-1"] and not kube.pods
+    runner.trigger(*JOB)  # a pass a pod event triggers meanwhile
     time.sleep(0.3)
     # ...and the third once the job has no more than one pass's worth in flight.
-    assert len(kube.sent) == 2, "a job queues at most two passes' pod writes"
+    assert len(kube.sent) == 2, "a job has at most two passes' pod writes in flight"
     kube.gate.set()
     settle(lambda: len(kube.pods) == 3)
     runner.trigger(*JOB)  # a pod event's pass: the cache holds the pods now
@@ -426,3 +441,20 @@ def test_a_pass_whose_status_patch_is_refused_sends_none_of_its_pod_writes() -> 
     settle(lambda: len(kube.pods) == 2)
     assert sorted(kube.sent) == ["gpt-worker-0", "gpt-worker-1"], "the refused pass sent nothing"
     assert runner.failing_attempts(*JOB) == 0
+
+
+def test_a_job_changed_only_in_metadata_the_reconciler_never_reads_decides_the_same() -> None:
+    read = make_job(status=running_status(4))
+    read["metadata"]["resourceVersion"] = "10"
+    kopf = copy.deepcopy(read)
+    kopf["metadata"].update(resourceVersion="11", finalizers=["training.dtjob.io/operator"],
+                            annotations={"kopf": "x"}, managedFields=[{"manager": "kopf"}])  # fmt: skip
+    assert same_but_bookkeeping(read, kopf)
+    scaled = copy.deepcopy(kopf)
+    scaled["spec"]["replicas"] = 2
+    deleted = copy.deepcopy(kopf)
+    deleted["metadata"]["deletionTimestamp"] = "2026-01-01T12:00:00Z"
+    written = copy.deepcopy(kopf)
+    written["status"]["restarts"] = 1
+    for other in (scaled, deleted, written):
+        assert not same_but_bookkeeping(read, other)

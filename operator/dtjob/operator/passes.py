@@ -256,7 +256,7 @@ class JobPassRunner:
         if decided.more:
             # The pod writes this pass left over, as soon as the job has no more than one pass's
             # worth in flight: the write pool never runs dry while the next pass decides, and one
-            # gang cannot queue 1,024 writes ahead of every other job's.
+            # gang does not queue 1,024 writes ahead of every other job's (see Plan.more).
             at_most = self.settings.reconciler.pod_writes_per_pass
             self.kube.when_drained(key, at_most, functools.partial(self._soon.submit, self.trigger, *key))
         phase = (job.get("status") or {}).get("phase")

@@ -116,7 +116,8 @@ class Plan:
     wake_at: datetime | None = None
     # Waiting on a change no watch announces (capacity, a Volcano queue): look again periodically.
     poll: bool = False
-    # Pod writes were left over (ReconcilerSettings.pod_writes_per_pass): the next pass, at once.
+    # Pod writes were left over (ReconcilerSettings.pod_writes_per_pass): the next pass as soon as
+    # the job has at most one pass's worth in flight.
     more: bool = False
 
 
@@ -142,6 +143,9 @@ class Observed:
     # the nodes of workers whose deletion may be found silent (`silent_deletion`), by node name
     # (absent: not read).
     leases: Mapping[str, str] = field(default_factory=dict)
+    # The job's pod creations and deletions sent by earlier passes and not answered yet (`pods`
+    # shows them as done, see dtjob.operator.expectations): they count against this pass's.
+    pod_writes_in_flight: int = 0
 
 
 def to_rfc3339(moment: datetime) -> str:
@@ -271,7 +275,14 @@ class _Pass:
     # status.silentNodes still avoided: node name -> its entry ({name, since, leaseRenewTime}),
     # see _silent_nodes
     silent: dict[str, dict[str, str]] = field(default_factory=dict)
-    more: bool = False  # pod creations left out beyond pod_writes_per_pass, see Plan.more
+    more: bool = False  # pod creations left out beyond the pass's budget, see Plan.more
+
+    @property
+    def pod_write_budget(self) -> int:
+        """Pod creations and deletions this pass may send: pod_writes_per_pass, and no more than
+        twice that in flight for the job (the writes of earlier passes still unanswered)."""
+        limit = self.settings.pod_writes_per_pass
+        return max(0, min(limit, 2 * limit - self.obs.pod_writes_in_flight))
 
     @functools.cached_property
     def nodes(self) -> dict[str, Mapping[str, Any]]:
@@ -484,7 +495,7 @@ def _finish(p: _Pass) -> Plan:
     if changed.get("conditions") == [] and not before.get("conditions"):
         changed.pop("conditions")
     head: list[Action] = [PatchStatus(changed)] if changed else []
-    actions, more = _first_pod_writes(p.actions, p.settings.pod_writes_per_pass)
+    actions, more = _first_pod_writes(p.actions, p.pod_write_budget)
     # Events right after the status they explain: a later action failing must not swallow them.
     return Plan([*head, *p.events, *actions], p.wake, p.poll, more or p.more)
 
@@ -901,9 +912,9 @@ def _converge_pods(p: _Pass, workers: Sequence[Worker], current: Sequence[Worker
 
     present = {w.rank for w in current}
     missing = [rank for rank in range(size) if rank not in present]
-    # Only the manifests this pass sends (_first_pod_writes keeps pod_writes_per_pass): building
-    # all 1,024 of a new gang's, 11 passes in a row, was 0.3 s of each pass's CPU.
-    budget = p.settings.pod_writes_per_pass - sum(isinstance(a, (CreatePod, DeletePod)) for a in p.actions)
+    # Only the manifests this pass sends (_first_pod_writes keeps its budget): building all 1,024
+    # of a new gang's, 11 passes in a row, was 0.3 s of each pass's CPU.
+    budget = p.pod_write_budget - sum(isinstance(a, (CreatePod, DeletePod)) for a in p.actions)
     p.more = len(missing) > max(0, budget)
     for rank in missing[: max(0, budget)]:
         manifest = manifests.worker_pod(

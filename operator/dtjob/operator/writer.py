@@ -99,6 +99,23 @@ def write_kind(action: Action) -> str:
             return "other"
 
 
+def log_pod_writes(job: JobView, writes: Sequence[PodWrite]) -> None:
+    """One log line for a pass's pod creations and one for its deletions (with their reasons)."""
+    for kind, group in (("creating", [w for w in writes if isinstance(w, CreatePod)]),
+                        ("deleting", [w for w in writes if isinstance(w, DeletePod)])):  # fmt: skip
+        if group:
+            reasons = sorted({w.reason for w in group if isinstance(w, DeletePod)})
+            why = f": {'; '.join(reasons)}" if reasons else ""
+            log.info("%s/%s: %s %s%s", job.namespace, job.name, kind, _names([w.name for w in group]), why)
+
+
+def _names(names: list[str]) -> str:
+    """Pod names for one log line: "w-0", "w-0, w-1", or "w-0 .. w-9 (10 pods)" in the order given."""
+    if len(names) <= 2:
+        return ", ".join(names)
+    return f"{names[0]} .. {names[-1]} ({len(names)} pods)"
+
+
 class _Batch:
     """The pod writes of one pass: `on_done` once all are answered, with the first failure in
     the order the pass gave them."""
@@ -209,6 +226,7 @@ class JobWriter:
         if not pods:
             _call(on_done, None)
             return
+        log_pod_writes(job, pods)
         key = (job.namespace, job.name)
         batch = _Batch(len(pods), on_done)
         for index, expected in enumerate(self.expectations.expect(key, pods)):
