@@ -27,7 +27,7 @@ from dtjob.operator.metrics import OperatorMetrics
 from dtjob.operator.passes import JobPassRunner
 from dtjob.operator.settings import ObserverSettings, OperatorSettings, RetrySettings
 from dtjob.operator.worker_defaults import WorkerDefaults
-from dtjob.operator.writer import ActionFailed
+from dtjob.operator.writer import ActionFailed, JobChanged
 from tests.e2e.conftest import Devcluster, kubectl, kubectl_json, wait_for
 from tests.e2e.operator_harness import ensure_crd
 
@@ -106,6 +106,22 @@ def test_observe_and_execute_on_a_real_api_server(namespace: str) -> None:
     kube.execute(job, [DeletePod("observed-worker-0", "test", grace_seconds=0)])
     kube.execute(job, [DeletePod("observed-worker-0", "test", grace_seconds=0)])  # NotFound tolerated
     wait_for("the pod to go", lambda: not kube.observe(job).pods, timeout=30)
+
+
+def test_a_status_patch_over_an_old_version_goes_through_kopfs_bookkeeping_only(namespace: str) -> None:
+    """The patch carries the resourceVersion the pass read: a job annotated (kopf's bookkeeping)
+    since then takes it over the new version, a job whose spec changed refuses it."""
+    kube = Kube(OperatorMetrics(), ObserverSettings())
+    job = make_job(namespace, "stale")
+    kubectl("annotate", "dtj", "stale", "-n", namespace, "kopf.zalando.org/touched=yes", check=True)
+    kube.execute(job, [PatchStatus({"phase": "Pending"})])
+    assert kubectl_json("get", "dtj", "stale", "-n", namespace)["status"]["phase"] == "Pending"
+    job = kube.get_job(namespace, "stale", fresh=True) or {}
+    scale = '{"spec":{"replicas":2}}'
+    kubectl("patch", "dtj", "stale", "-n", namespace, "--type=merge", "-p", scale, check=True)
+    with pytest.raises(JobChanged):
+        kube.execute(job, [PatchStatus({"phase": "Running"})])
+    assert kubectl_json("get", "dtj", "stale", "-n", namespace)["status"]["phase"] == "Pending"
 
 
 def test_observe_reads_the_leases_of_silent_nodes_only(namespace: str) -> None:

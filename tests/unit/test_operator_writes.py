@@ -372,7 +372,12 @@ class WritingKube:
         if isinstance(write, CreatePod):
             rank = int(env_of(write.manifest)["RANK"])
             with self.lock:
-                self.pods[write.name] = make_pod(rank, phase="Pending", node=None, created=time.time())
+                self.pods[write.name] = make_pod(rank, phase="Pending", node=None, created=since_t0())
+
+
+def since_t0() -> float:
+    """Now, in the fixtures' seconds after T0 (`make_pod(created=...)`)."""
+    return (datetime.now(UTC) - at(0)).total_seconds()
 
 
 def settle(condition: Callable[[], bool], timeout: float = 10) -> None:
@@ -458,3 +463,61 @@ def test_a_job_changed_only_in_metadata_the_reconciler_never_reads_decides_the_s
     written["status"]["restarts"] = 1
     for other in (scaled, deleted, written):
         assert not same_but_bookkeeping(read, other)
+
+
+# --- progress-only status patches ---------------------------------------------------------------
+def test_a_patch_that_only_moves_the_workers_progress_is_marked_so() -> None:
+    job = make_job(replicas=4, min_replicas=1, max_replicas=4)
+    nodes = [make_node("n1", cpu="64")]
+    first = reconcile(Observed(job=job, pods=[], nodes=nodes, now=at(0)), ReconcilerSettings())
+    job = {**job, "status": status_patch(first)}
+    pending = [make_pod(r, phase="Pending", node=None) for r in range(4)]
+    bound = plan(Observed(job=job, pods=pending, nodes=nodes, now=at(1)), ReconcilerSettings())
+    assert bound.progress_only, bound.actions  # "(4 not scheduled yet)"
+    job = {**job, "status": {**job["status"], **status_patch(bound.actions)}}
+    some = [make_pod(r, phase="Running" if r < 2 else "Pending", node="n1") for r in range(4)]
+    running = plan(Observed(job=job, pods=some, nodes=nodes, now=at(2)), ReconcilerSettings())
+    assert running.progress_only and set(status_patch(running.actions)) == {"readyReplicas", "conditions"}
+    everyone = [make_pod(r, phase="Running", node="n1") for r in range(4)]
+    done = plan(Observed(job=job, pods=everyone, nodes=nodes, now=at(3)), ReconcilerSettings())
+    assert status_patch(done.actions)["phase"] == "Running" and not done.progress_only
+    created = plan(Observed(job=job, pods=some[:3], nodes=nodes, now=at(3)), ReconcilerSettings())
+    assert creates(created.actions) and not created.progress_only
+
+
+def test_a_progress_only_patch_waits_for_the_interval_after_the_last_and_then_is_written() -> None:
+    class Stepping(WritingKube):
+        """Its pods are what the test says, whatever the writes."""
+
+        def __init__(self) -> None:
+            super().__init__(replicas=2)
+            self.patched: list[tuple[float, dict[str, Any]]] = []
+
+        def _head(self, job: JobView, action: Action) -> None:
+            super()._head(job, action)
+            if isinstance(action, PatchStatus):
+                self.patched.append((time.monotonic(), action.status))
+
+        def _pod(self, namespace: str, write: CreatePod | DeletePod) -> None:
+            pass
+
+    kube = Stepping()
+    settings = OperatorSettings(trigger_delay_seconds=0, progress_write_seconds=1.0)
+    runner = JobPassRunner(kube, OperatorMetrics(), settings)  # type: ignore[arg-type]
+    runner.trigger(*JOB)  # generation 0: a status patch, and two creations (kept out of the cache)
+    settle(lambda: len(kube.patched) == 1)
+    kube.pods = {
+        f"gpt-worker-{r}": make_pod(r, phase="Pending", node=None, created=since_t0()) for r in range(2)
+    }
+    runner.trigger(*JOB)  # "(2 not scheduled yet)": only progress, 1 s after the last patch
+    time.sleep(0.3)
+    assert len(kube.patched) == 1, "a progress-only patch within the interval waits"
+    kube.pods["gpt-worker-0"] = make_pod(0, phase="Running", node="n1", created=since_t0())
+    runner.trigger(*JOB)
+    settle(lambda: len(kube.patched) == 2, timeout=5)  # the pass at the interval's end writes it
+    (first, _), (second, status) = kube.patched
+    assert second - first >= 0.95 and status["readyReplicas"] == 1
+    kube.pods["gpt-worker-1"] = make_pod(1, phase="Running", node="n1", created=since_t0())
+    runner.trigger(*JOB)  # phase Running: written at once
+    settle(lambda: len(kube.patched) == 3, timeout=0.5)
+    assert kube.patched[2][1]["phase"] == "Running"

@@ -52,6 +52,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
          "reconcile every job at least this often, even when no event nor deadline comes"),
         ("--trigger-delay-seconds", float, d.trigger_delay_seconds,
          "a watched change runs its job's pass this much later, with the changes meanwhile"),
+        ("--progress-write-seconds", float, d.progress_write_seconds,
+         "a status patch that only moves the workers' progress waits this long after the last one"),
         ("--grow-hold-seconds", float, r.grow_hold_seconds, "a gang runs this long at a size before growing"),
         ("--unplanned-stop-grace-seconds", int, r.unplanned_stop_grace_seconds,
          "SIGTERM-to-SIGKILL grace of the survivors of a failure"),
@@ -102,6 +104,7 @@ def build_settings(args: argparse.Namespace, env: Mapping[str, str]) -> Operator
         interval_seconds=args.interval,
         max_workers=args.max_workers,
         trigger_delay_seconds=args.trigger_delay_seconds,
+        progress_write_seconds=args.progress_write_seconds,
         resync_seconds=args.resync_seconds,
         verbose=args.verbose,
         reconciler=ReconcilerSettings(

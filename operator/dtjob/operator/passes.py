@@ -115,6 +115,10 @@ class JobPassRunner:
         # failures: each reported by the job's next pass.
         self._write_failed: dict[Key, Exception] = {}
         self._recovering: dict[Key, _Failing] = {}
+        # When each job's last status patch was answered (monotonic), and the jobs whose progress
+        # waits for a pass at progress_write_seconds after it.
+        self._status_written: dict[Key, float] = {}
+        self._progress_due: set[Key] = set()
         self._handed: dict[Key, float] = {}  # job -> when kopf last handed it over (monotonic)
         self._queued: set[Key] = set()
         self._next: dict[Key, _Next] = {}
@@ -183,6 +187,7 @@ class JobPassRunner:
             self._next.pop((namespace, name), None)
             self._write_failed.pop((namespace, name), None)
             self._recovering.pop((namespace, name), None)
+            self._status_written.pop((namespace, name), None)
             failing = self._failing.pop((namespace, name), None)
         if failing is not None and failing.timer is not None:
             failing.timer.cancel()
@@ -222,6 +227,8 @@ class JobPassRunner:
             observed = self.kube.observe(job)
             stage = "decide"
             decided = plan(observed, self.settings.reconciler)
+            if decided.progress_only and self._progress_later(key):
+                return None
             stage = "act"
             return self.kube.submit(
                 job,
@@ -252,6 +259,9 @@ class JobPassRunner:
             else:
                 self._failed(key, True, "act", error)
             return
+        if any(isinstance(action, PatchStatus) for action in decided.actions):
+            with self._lock:
+                self._status_written[key] = self._clock()
         self._schedule_next(key, decided, now)
         if decided.more:
             # The pod writes this pass left over, as soon as the job has no more than one pass's
@@ -264,6 +274,29 @@ class JobPassRunner:
             if isinstance(action, PatchStatus) and "phase" in action.status:
                 phase = action.status["phase"]
         self.metrics.job_phase(namespace, name, phase)
+
+    def _progress_later(self, key: Key) -> bool:
+        """Whether a status patch that only moves the workers' progress waits: when the job's
+        last status patch is less than `progress_write_seconds` old. Its pass runs again then
+        (one wake-up per job), and writes whatever the progress is by that time."""
+        interval = self.settings.progress_write_seconds
+        now = self._clock()
+        with self._lock:
+            written = self._status_written.get(key)
+            if written is None or now - written >= interval:
+                return False
+            if key in self._progress_due:
+                return True
+            self._progress_due.add(key)
+        self._later.call(
+            written + interval - now, functools.partial(self._soon.submit, self._progress_due_now, key)
+        )
+        return True
+
+    def _progress_due_now(self, key: Key) -> None:
+        with self._lock:
+            self._progress_due.discard(key)
+        self.trigger(*key)
 
     def _all_written(self, key: Key, failing: _Failing | None, error: Exception | None) -> None:
         """Every pod write of the pass is answered: a failed one shows on the job (the next pass

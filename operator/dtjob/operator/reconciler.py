@@ -119,6 +119,9 @@ class Plan:
     # Pod writes were left over (ReconcilerSettings.pod_writes_per_pass): the next pass as soon as
     # the job has at most one pass's worth in flight.
     more: bool = False
+    # The only action is a status patch that moves nothing but the workers' progress (readyReplicas,
+    # the message of a Waiting condition whose reason stays): the runner may write it later.
+    progress_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -496,8 +499,33 @@ def _finish(p: _Pass) -> Plan:
         changed.pop("conditions")
     head: list[Action] = [PatchStatus(changed)] if changed else []
     actions, more = _first_pod_writes(p.actions, p.pod_write_budget)
+    progress = bool(changed) and not p.events and not actions and _progress_only(before, changed)
     # Events right after the status they explain: a later action failing must not swallow them.
-    return Plan([*head, *p.events, *actions], p.wake, p.poll, more or p.more)
+    return Plan([*head, *p.events, *actions], p.wake, p.poll, more or p.more, progress)
+
+
+def _progress_only(before: Mapping[str, Any], changed: Mapping[str, Any]) -> bool:
+    """Whether a status patch only moves the workers' progress: readyReplicas, and of the
+    conditions only the message of Waiting, under the same status and reason ("waiting for 3 of 4
+    workers" after "waiting for 4 of 4")."""
+    if not set(changed) <= {"readyReplicas", "conditions"}:
+        return False
+    if "conditions" not in changed:
+        return True
+    old = {c.get("type"): c for c in before.get("conditions") or []}
+    new = {c.get("type"): c for c in changed["conditions"]}
+    if set(old) != set(new):
+        return False
+    for ctype, cond in new.items():
+        was = old[ctype]
+        if cond == was:
+            continue
+        if ctype != WAITING or (cond.get("status"), cond.get("reason")) != (
+            was.get("status"),
+            was.get("reason"),
+        ):
+            return False
+    return True
 
 
 def _first_pod_writes(actions: list[Action], limit: int) -> tuple[list[Action], bool]:
