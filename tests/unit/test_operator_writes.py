@@ -521,3 +521,14 @@ def test_a_progress_only_patch_waits_for_the_interval_after_the_last_and_then_is
     runner.trigger(*JOB)  # phase Running: written at once
     settle(lambda: len(kube.patched) == 3, timeout=0.5)
     assert kube.patched[2][1]["phase"] == "Running"
+
+
+def test_a_pod_deleted_without_grace_is_not_deleted_again() -> None:
+    """The answer of a forced deletion is a pod deleting with no grace period, which the API server
+    has removed already; the cache holds it until its watch event comes."""
+    job = make_job(status=running_status(4, generation=1))
+    nodes = [make_node("n1", cpu="64")]
+    failed = make_pod(1, generation=0, phase="Failed", exit_code=1, deleting=True, grace_ends=99, grace=0)
+    slow = make_pod(2, generation=0, phase="Failed", exit_code=1, deleting=True, grace_ends=99, grace=5)
+    decided = plan(Observed(job=job, pods=[failed, slow], nodes=nodes, now=at(100)), ReconcilerSettings())
+    assert [(d.name, d.grace_seconds) for d in deletes(decided.actions)] == [("gpt-worker-2", 0)]
