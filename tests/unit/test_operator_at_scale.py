@@ -5,6 +5,7 @@ changes is one pass, and a pass that read an old version of its job decides agai
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 from collections.abc import Callable
@@ -14,13 +15,13 @@ from typing import Any
 import pytest
 
 from dtjob.operator import manifests
-from dtjob.operator.actions import PatchStatus
+from dtjob.operator.actions import DeletePod, PatchStatus
 from dtjob.operator.capacity import node_admits, workers_that_fit
 from dtjob.operator.expectations import overlay
 from dtjob.operator.jobview import JobView
 from dtjob.operator.metrics import OperatorMetrics
 from dtjob.operator.passes import JobPassRunner
-from dtjob.operator.reconciler import Observed, plan, reconcile
+from dtjob.operator.reconciler import Observed, Worker, plan, reconcile
 from dtjob.operator.settings import OperatorSettings, ReconcilerSettings
 from dtjob.operator.writer import JobChanged, JobWriter, Outcome
 from tests.unit.reconciler_fixtures import (
@@ -354,3 +355,18 @@ def test_a_pass_builds_only_the_pod_manifests_it_sends(monkeypatch: pytest.Monke
     decided = plan(Observed(job={**job, "status": started}, pods=[], nodes=nodes, now=at(1)), settings)
     assert len(creates(decided.actions)) == 96 and decided.more
     assert built == list(range(96)), "1,024 manifests built for 96 creations"
+
+
+def test_a_versioned_pod_is_parsed_once_and_its_deletion_in_flight_is_seen() -> None:
+    pod = make_pod(3, phase="Running", node="n1")
+    pod["metadata"].update(uid="u-3", resourceVersion="41")
+    first = Worker.of(pod)
+    assert Worker.of(copy.deepcopy(pod)) is first, "parsed once per resourceVersion"
+    [deleting] = overlay([pod], {"gpt-worker-3": [DeletePod("gpt-worker-3", "x", grace_seconds=1)]}, at(5))
+    assert Worker.of(deleting).deleting and not first.deleting
+    newer = copy.deepcopy(pod)
+    newer["metadata"]["resourceVersion"] = "42"
+    newer["status"]["phase"] = "Failed"
+    assert Worker.of(newer).phase == "Failed"
+    unversioned = make_pod(3, phase="Pending", node=None)
+    assert Worker.of(unversioned) is not Worker.of(unversioned), "no version: parsed each time"

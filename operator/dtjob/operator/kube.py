@@ -239,9 +239,10 @@ class Kube:
         """Log tails of the current generation's workers that exited EXIT_PEER_LOST: they name
         the rank that went silent. At most settings.log_reads_per_pass of them, those without a
         termination message first (one naming the rank makes the log unnecessary)."""
+        failed = [pod for pod in pods if (pod.get("status") or {}).get("phase") == "Failed"]
         candidates = [
             w
-            for w in (Worker.of(pod) for pod in pods)
+            for w in (Worker.of(pod) for pod in failed)
             if w.generation == job.status.get("generation") and w.exit_code == contract.EXIT_PEER_LOST
         ]
         candidates.sort(key=lambda w: contract.parse_peer_lost_line(w.message or "") is not None)

@@ -207,6 +207,20 @@ class Worker:
     @classmethod
     def of(cls, pod: Mapping[str, Any]) -> Worker:
         meta = pod.get("metadata") or {}
+        rv = meta.get("resourceVersion")
+        if not rv or not meta.get("uid"):
+            return cls._parse(pod)
+        key = (meta.get("uid"), rv, meta.get("deletionTimestamp"), meta.get("deletionGracePeriodSeconds"))
+        worker = _PARSED.get(key)
+        if worker is None:
+            if len(_PARSED) >= PARSED_LIMIT:
+                _PARSED.clear()
+            worker = _PARSED[key] = cls._parse(pod)
+        return worker
+
+    @classmethod
+    def _parse(cls, pod: Mapping[str, Any]) -> Worker:
+        meta = pod.get("metadata") or {}
         labels = meta.get("labels") or {}
         status = pod.get("status") or {}
         exit_code, message = None, None
@@ -235,6 +249,15 @@ class Worker:
     @property
     def terminal(self) -> bool:
         return self.phase in {"Succeeded", "Failed"}
+
+
+# Workers parsed from pods, by (uid, resourceVersion, deletionTimestamp,
+# deletionGracePeriodSeconds): a resourceVersion names one content of a pod, and the expectation
+# of a deletion in flight (dtjob.operator.expectations) changes only the last two. A pass of a
+# 1,024-worker job parsed every pod again, 12-25 ms of its 26-50 ms, several times a second while
+# the gang's pods change. Pods without a version (creations in flight, tests) are parsed each time.
+_PARSED: dict[tuple[Any, ...], Worker] = {}
+PARSED_LIMIT = 65536
 
 
 def _condition_time(status: Mapping[str, Any], ctype: str, value: str | None = "True") -> datetime | None:
