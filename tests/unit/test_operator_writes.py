@@ -23,7 +23,7 @@ from dtjob.operator.actions import (
     PatchStatus,
 )
 from dtjob.operator.expectations import Expectations, overlay
-from dtjob.operator.jobview import JobView
+from dtjob.operator.jobview import FINALIZER, JobView
 from dtjob.operator.kube import same_but_bookkeeping
 from dtjob.operator.metrics import OperatorMetrics
 from dtjob.operator.passes import JobPassRunner
@@ -532,3 +532,16 @@ def test_a_pod_deleted_without_grace_is_not_deleted_again() -> None:
     slow = make_pod(2, generation=0, phase="Failed", exit_code=1, deleting=True, grace_ends=99, grace=5)
     decided = plan(Observed(job=job, pods=[failed, slow], nodes=nodes, now=at(100)), ReconcilerSettings())
     assert [(d.name, d.grace_seconds) for d in deletes(decided.actions)] == [("gpt-worker-2", 0)]
+
+
+def test_a_job_the_cache_holds_without_kopfs_finalizer_gets_no_pass_yet() -> None:
+    kube = WritingKube(replicas=1)
+    settings = OperatorSettings(trigger_delay_seconds=0)
+    runner = JobPassRunner(kube, OperatorMetrics(), settings, finalizer=FINALIZER)  # type: ignore[arg-type]
+    runner.trigger(*JOB)
+    time.sleep(0.3)
+    assert "status" not in kube.job and not kube.sent, "its status patch would be refused by kopf's"
+    kube.job["metadata"]["finalizers"] = [FINALIZER]  # the cache's event of kopf's patch
+    runner.trigger(*JOB)
+    settle(lambda: kube.sent == ["gpt-worker-0"])
+    assert kube.job["status"]["phase"] == "Pending"

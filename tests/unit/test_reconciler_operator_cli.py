@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from dtjob.operator.handlers import FINALIZER, finalized, needs_timer
+from dtjob.operator.handlers import needs_timer
+from dtjob.operator.jobview import FINALIZER, finalized
 from dtjob.operator.main import parse_args
 
 

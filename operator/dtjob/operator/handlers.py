@@ -14,16 +14,13 @@ soon as the API server reports it. Each handler also tells the runner that kopf 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import kopf
 
-from dtjob.operator.jobview import GROUP, PLURAL, VERSION
+from dtjob.operator.jobview import FINALIZER, GROUP, PLURAL, VERSION, finalized
 from dtjob.operator.passes import JobPassRunner
 from dtjob.operator.settings import OperatorSettings
-
-FINALIZER = "training.dtjob.io/operator"
 
 
 def needs_timer(phase: str | None, spec: Any) -> bool:
@@ -34,14 +31,6 @@ def needs_timer(phase: str | None, spec: Any) -> bool:
     if phase in {"Succeeded", "Failed"}:
         return (spec.get("runPolicy") or {}).get("ttlSecondsAfterFinished") is not None
     return True
-
-
-def finalized(meta: Mapping[str, Any]) -> bool:
-    """Whether a job is ready for its first pass: kopf calls the event handlers of a new job
-    before it puts its finalizer on it (the per-job timer needs one), and a status patch read before
-    that patch is refused by it (500 jobs at once: 495 refused status patches). The finalizer's own
-    event comes next. A job being deleted passes at once."""
-    return FINALIZER in (meta.get("finalizers") or []) or meta.get("deletionTimestamp") is not None
 
 
 def build_registry(runner: JobPassRunner, settings: OperatorSettings) -> kopf.OperatorRegistry:

@@ -152,6 +152,7 @@ def main(argv: list[str]) -> int:
     from prometheus_client import start_http_server
 
     from dtjob.operator.handlers import build_registry
+    from dtjob.operator.jobview import FINALIZER
     from dtjob.operator.kube import Kube, load_config
     from dtjob.operator.metrics import OperatorMetrics
     from dtjob.operator.passes import JobPassRunner
@@ -165,7 +166,7 @@ def main(argv: list[str]) -> int:
     if settings.metrics_port:
         start_http_server(settings.metrics_port, registry=metrics.registry)
     kube = Kube(metrics, settings.observer, settings.namespaces)
-    runner = JobPassRunner(kube, metrics, settings)
+    runner = JobPassRunner(kube, metrics, settings, finalizer=FINALIZER)
     # Pod and node changes come from the operator's own watches (dtjob.operator.cache), rank 0's
     # new steps from its scraper: both trigger passes from their threads without waiting on them.
     kube.start(runner.trigger_soon)

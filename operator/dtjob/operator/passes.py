@@ -53,6 +53,7 @@ from pydantic import ValidationError
 
 from dtjob.operator.actions import EmitEvent, PatchStatus
 from dtjob.operator.coalescer import Coalescer, Later
+from dtjob.operator.jobview import finalized
 from dtjob.operator.kube import Kube
 from dtjob.operator.metrics import OperatorMetrics
 from dtjob.operator.reconciler import Plan, plan, with_condition
@@ -102,8 +103,13 @@ class JobPassRunner:
         metrics: OperatorMetrics,
         settings: OperatorSettings,
         clock: Callable[[], float] = time.monotonic,
+        finalizer: str | None = None,
     ) -> None:
+        """`finalizer`: a job gets no pass until it carries this finalizer (kopf's, put on every
+        job right after it appears) or is being deleted, as the operator's cache holds it; the
+        cache's event of the finalizer triggers the pass (see jobview.finalized)."""
         self.kube = kube
+        self.finalizer = finalizer
         self.metrics = metrics
         self.settings = settings
         self._clock = clock
@@ -223,6 +229,8 @@ class JobPassRunner:
             job = self.kube.get_job(namespace, name)
             if job is None:
                 self.forget(namespace, name)
+                return None
+            if self.finalizer is not None and not finalized(job.get("metadata") or {}, self.finalizer):
                 return None
             observed = self.kube.observe(job)
             stage = "decide"
