@@ -35,6 +35,8 @@ from tests.unit.reconciler_fixtures import (
     make_pod,
     run,
     running_status,
+    seen_through,
+    settle,
     status_patch,
 )
 
@@ -189,14 +191,6 @@ class PlainKube:
         pass
 
 
-def settle(condition: Callable[[], bool], timeout: float = 10) -> None:
-    """Waits for the runner's threads to make `condition` true."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
-
-
 def test_a_pass_whose_job_changed_before_its_status_patch_decides_again_without_an_error() -> None:
     kube = PlainKube(conflicts=1)
     runner = JobPassRunner(kube, OperatorMetrics(), OperatorSettings())  # type: ignore[arg-type]
@@ -317,12 +311,7 @@ class PodsKube(RememberingKube):
         self.pods: list[dict[str, Any]] = []
 
     def observe(self, job: dict[str, Any]) -> Observed:
-        now = datetime.now(UTC)
-        expected = self.writer.expectations.pending(("ml", "gpt"))
-        in_flight = sum(len(writes) for writes in expected.values())
-        pods = overlay(list(self.pods), expected, now)
-        nodes = [make_node("n1", cpu="8")]
-        return Observed(job=job, pods=pods, nodes=nodes, now=now, pod_writes_in_flight=in_flight)
+        return seen_through(job, list(self.pods), self.writer.expectations, [make_node("n1", cpu="8")])
 
     def _pod(self, namespace: str, write: Any) -> None:
         self.pods.append(make_pod(int(env_of(write.manifest)["RANK"]), phase="Pending", node=None))

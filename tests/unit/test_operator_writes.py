@@ -40,6 +40,8 @@ from tests.unit.reconciler_fixtures import (
     make_node,
     make_pod,
     running_status,
+    seen_through,
+    settle,
     status_patch,
 )
 
@@ -335,14 +337,9 @@ class WritingKube:
             return copy.deepcopy(self.job)
 
     def observe(self, job: dict[str, Any]) -> Observed:
-        now = datetime.now(UTC)
-        expected = self.writer.expectations.pending(JOB)
         with self.lock:
             cached = [self.pods[name] for name in sorted(self.pods)]
-        pods = overlay(cached, expected, now)
-        in_flight = sum(len(writes) for writes in expected.values())
-        nodes = [make_node("n1", cpu="64")]
-        return Observed(job=job, pods=pods, nodes=nodes, now=now, pod_writes_in_flight=in_flight)
+        return seen_through(job, cached, self.writer.expectations, [make_node("n1", cpu="64")])
 
     def submit(self, job: dict[str, Any], actions: list[Action], on_head: Outcome, on_done: Outcome) -> Any:
         return self.writer.submit(job, actions, on_head, on_done)
@@ -378,13 +375,6 @@ class WritingKube:
 def since_t0() -> float:
     """Now, in the fixtures' seconds after T0 (`make_pod(created=...)`)."""
     return (datetime.now(UTC) - at(0)).total_seconds()
-
-
-def settle(condition: Callable[[], bool], timeout: float = 10) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
 
 
 def test_the_next_pass_runs_while_pod_writes_are_in_flight_and_does_not_repeat_them() -> None:
