@@ -88,10 +88,12 @@ class ObserverSettings:
     gang is created in 32 waves instead of one request after the other, and the API server never
     sees more than this many of the operator's pod writes at a time."""
 
-    job_write_concurrency: int = 16
+    job_write_concurrency: int = 32
     """Status patches (with a pass's other writes to the job's own objects: its Service, PodGroup,
     its deletion) in flight at once, over all jobs; one per job at a time. A pool apart from the
-    pod writes', so a job's status never waits behind another job's 1,024 pod creations."""
+    pod writes', so a job's status never waits behind another job's 1,024 pod creations. 500
+    jobs created at once queued their first status patches and Services for up to 29 s (p99) on
+    16 threads, and a job's pods wait for its status patch."""
 
     metrics_timeout_seconds: float = 1.0
     """Timeout of one scrape of rank 0's metrics endpoint (scrapes run in the background; no
