@@ -535,3 +535,35 @@ def test_a_job_the_cache_holds_without_kopfs_finalizer_gets_no_pass_yet() -> Non
     runner.trigger(*JOB)
     settle(lambda: kube.sent == ["gpt-worker-0"])
     assert kube.job["status"]["phase"] == "Pending"
+
+
+def test_the_event_of_the_operators_own_status_patch_needs_no_pass_but_a_gang_running_does() -> None:
+    class Counting(WritingKube):
+        def __init__(self) -> None:
+            super().__init__(replicas=1)
+            self.written: dict[tuple[str, str], str] = {}
+            self.reads = 0
+
+        def get_job(self, namespace: str, name: str, fresh: bool = False) -> dict[str, Any]:
+            self.reads += 1
+            return super().get_job(namespace, name, fresh)
+
+        def _head(self, job: JobView, action: Action) -> None:
+            super()._head(job, action)
+            if isinstance(action, PatchStatus):
+                self.written[JOB] = str(len(self.written) + 10)
+
+    kube = Counting()
+    runner = JobPassRunner(kube, OperatorMetrics(), OperatorSettings(trigger_delay_seconds=0.05))  # type: ignore[arg-type]
+    runner.handed(*JOB)
+    runner.trigger(*JOB)  # generation 0: Pending, one creation
+    settle(lambda: kube.pods != {} and kube.written != {})
+    assert runner.own_status(*JOB, kube.written[JOB]) and not runner.own_status(*JOB, "9")
+    time.sleep(0.3)
+    reads = kube.reads
+    kube.pods["gpt-worker-0"] = make_pod(0, phase="Running", node="n1", created=since_t0())
+    runner.trigger(*JOB)  # the pod's event: the gang runs
+    settle(lambda: kube.job["status"].get("phase") == "Running")
+    settle(lambda: kube.reads == reads + 2)  # and the pass after it, on the new phase
+    time.sleep(0.3)
+    assert kube.reads == reads + 2

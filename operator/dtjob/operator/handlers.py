@@ -69,7 +69,9 @@ def build_registry(runner: JobPassRunner, settings: OperatorSettings) -> kopf.Op
             runner.forget(namespace or "default", name)
             return
         runner.handed(namespace or "default", name)
-        if finalized(meta):
+        if finalized(meta) and not runner.own_status(
+            namespace or "default", name, meta.get("resourceVersion")
+        ):
             runner.trigger_soon(namespace or "default", name)
 
     return registry

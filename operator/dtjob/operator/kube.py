@@ -138,6 +138,8 @@ class Kube:
         self.raw = RawApi(self.api)
         self.metrics = metrics
         self.cache = ClusterCache(self.raw, namespaces)
+        # The resourceVersion of each job's last status patch, as the API server answered it.
+        self.written: dict[Key, str] = {}
         self.scraper = Scraper(settings)
         self.writer = JobWriter(
             head=self._execute_one,
@@ -157,6 +159,7 @@ class Kube:
 
     def forget(self, namespace: str, name: str) -> None:
         self.scraper.forget((namespace, name))
+        self.written.pop((namespace, name), None)
 
     # observing ----------------------------------------------------------------------------
     def get_job(self, namespace: str, name: str, fresh: bool = False) -> dict[str, Any] | None:
@@ -414,6 +417,7 @@ class Kube:
                     raise JobChanged(f"{ns}/{name} changed since the pass read it")
                 if isinstance(written, dict):
                     self.cache.assume_job(written)
+                    self.written[(ns, name)] = _get_rv(written)
                 _log_waiting(ns, name, job.status, status)
             case CreateService(manifest=manifest):
                 services = f"/api/v1/namespaces/{quoted(ns)}/services"

@@ -88,12 +88,13 @@ class ObserverSettings:
     gang is created in 32 waves instead of one request after the other, and the API server never
     sees more than this many of the operator's pod writes at a time."""
 
-    job_write_concurrency: int = 32
+    job_write_concurrency: int = 16
     """Status patches (with a pass's other writes to the job's own objects: its Service, PodGroup,
     its deletion) in flight at once, over all jobs; one per job at a time. A pool apart from the
     pod writes', so a job's status never waits behind another job's 1,024 pod creations. 500
-    jobs created at once queued their first status patches and Services for up to 29 s (p99) on
-    16 threads, and a job's pods wait for its status patch."""
+    jobs created at once queue their first status patches for up to 29 s (p99) on 16 threads; on
+    32 they waited 10 s, but the API server answered everyone slower and the 500 jobs were all
+    Running later (72 and 97 s against 57 s, one run each, bench/README.md)."""
 
     metrics_timeout_seconds: float = 1.0
     """Timeout of one scrape of rank 0's metrics endpoint (scrapes run in the background; no
@@ -191,14 +192,15 @@ class OperatorSettings:
     a generation going away skip it: each decides its pass alone (restart; create the next
     generation)."""
 
-    progress_write_seconds: float = 5.0
+    progress_write_seconds: float = 10.0
     """A job's status patch that only moves its workers' progress (readyReplicas, the count in
     its Waiting message; neither is a printer column) is written at most this long after the
     job's previous status patch; the pass that decides it runs again then. Every other status
     change (a phase, a generation, a new reason to wait) is written at once. 500 jobs of 4
     workers created at once: each pod scheduled or running was a patch of its own, 2,800-2,900 in
     all against 1,800 when passes waited for their pod writes, and status writes waited up to
-    30 s for the API server (bench/README.md). 0: at once."""
+    30 s for the API server (bench/README.md); 1 s saved 170 of them, 5 s 530 (one run each).
+    0: at once."""
 
     verbose: bool = False
     """Debug logging (every API call and kopf handler)."""
