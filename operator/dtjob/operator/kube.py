@@ -9,10 +9,11 @@ tolerate AlreadyExists, deletes tolerate NotFound.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import logging
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import UTC, datetime
 from typing import Any, cast
 from urllib.parse import urlsplit
@@ -53,6 +54,8 @@ PODGROUP_PLURAL = "podgroups"
 QUEUE_PLURAL = "queues"
 # Where every kubelet keeps its node's Lease (the node controller's heartbeat).
 NODE_LEASE_NAMESPACE = "kube-node-lease"
+# Node Leases one pass reads at once (Observed.leases).
+LEASE_READS = 16
 # The queue of a PodGroup that names none (vc-scheduler's --default-queue).
 DEFAULT_QUEUE = "default"
 TRAINER_GAUGES = {
@@ -130,7 +133,9 @@ class Kube:
         # Every pod write of the pool may hold a connection at once, beside the watches and the
         # passes' own reads; urllib3's default pool keeps 5 per CPU, and a request past it opens
         # (and then drops) a connection of its own.
-        configuration.connection_pool_maxsize = settings.api_concurrency + settings.job_write_concurrency + 16
+        configuration.connection_pool_maxsize = (
+            settings.api_concurrency + settings.job_write_concurrency + LEASE_READS + 16
+        )
         self.api = client.ApiClient(configuration)
         _count_requests(self.api, metrics)
         self.core = client.CoreV1Api(self.api)
@@ -138,6 +143,7 @@ class Kube:
         self.raw = RawApi(self.api)
         self.metrics = metrics
         self.cache = ClusterCache(self.raw, namespaces)
+        self._reads = ThreadPoolExecutor(LEASE_READS, thread_name_prefix="kube-read")
         # The resourceVersion of each job's last status patch, as the API server answered it.
         self.written: dict[Key, str] = {}
         self.scraper = Scraper(settings)
@@ -221,22 +227,26 @@ class Kube:
         for w in (Worker.of(pod) for pod in deleting):  # a pass of 1,024 pods parses none of them
             if w.node_name and silent_deletion(w, now):
                 nodes.add(w.node_name)
-        leases: dict[str, str] = {}
-        for node in sorted(nodes):
-            try:
-                lease = self.raw.call(
-                    "GET", f"/apis/coordination.k8s.io/v1/namespaces/{NODE_LEASE_NAMESPACE}/leases/"
-                    + quoted(node), timeout=(5, 10),
-                )  # fmt: skip
-            except ApiException as e:
-                if e.status not in (403, 404):
-                    raise
-                log.debug("%s/%s: no Lease of node %s: %s", job.namespace, job.name, node, e.reason)
-                continue
-            renewed = (lease.get("spec") or {}).get("renewTime")
-            if renewed:
-                leases[node] = str(renewed)
-        return leases
+        # At once, not one after the other: when KWOK (which plays every simulated kubelet) fell
+        # behind deleting a 1,024-worker gang, one pass read the Leases of 128 nodes in 2.5 s.
+        names = sorted(nodes)
+        read = list(self._reads.map(functools.partial(self._lease, job), names)) if names else []
+        return {node: renewed for node, renewed in zip(names, read, strict=True) if renewed}
+
+    def _lease(self, job: JobView, node: str) -> str | None:
+        """spec.renewTime of one node's Lease (None: none, or not readable)."""
+        try:
+            lease = self.raw.call(
+                "GET", f"/apis/coordination.k8s.io/v1/namespaces/{NODE_LEASE_NAMESPACE}/leases/"
+                + quoted(node), timeout=(5, 10),
+            )  # fmt: skip
+        except ApiException as e:
+            if e.status not in (403, 404):
+                raise
+            log.debug("%s/%s: no Lease of node %s: %s", job.namespace, job.name, node, e.reason)
+            return None
+        renewed = (lease.get("spec") or {}).get("renewTime")
+        return str(renewed) if renewed else None
 
     def _peer_lost_logs(self, job: JobView, pods: list[dict[str, Any]]) -> dict[str, str]:
         """Log tails of the current generation's workers that exited EXIT_PEER_LOST: they name
