@@ -1,6 +1,7 @@
 """dtjob against Kubeflow's PyTorchJob on the same devcluster, same trainer, same faults.
 
-    python -m bench.peers run [--repeats 1] [--scenarios sigkill,sigstop,...] [--parts DIR] [--down]
+    python -m bench.peers run [--repeats 1] [--scenarios sigkill,sigstop,...] [--operators dtjob,pytorchjob]
+                              [--parts DIR] [--down]
     python -m bench.peers report [--parts DIR]      # merge every run -> bench/results/peers.{json,png}
 
 `run` builds the training-operator (cached), brings the devcluster up (3 nodes), installs both
@@ -80,6 +81,9 @@ def run(args: argparse.Namespace) -> None:
     unknown = set(scenarios) - set(SCENARIOS)
     if unknown:
         raise SystemExit(f"unknown scenarios {sorted(unknown)}; choose from {','.join(SCENARIOS)}")
+    kinds = tuple(k for k in args.operators.split(",") if k)
+    if not kinds or set(kinds) - set(NAMESPACES):
+        raise SystemExit(f"--operators: choose from {','.join(NAMESPACES)}, not {args.operators!r}")
     run_id = datetime.datetime.now().strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:4]
     args.parts.mkdir(parents=True, exist_ok=True)
     part_file = args.parts / f"run-{run_id}.json"
@@ -118,7 +122,7 @@ def run(args: argparse.Namespace) -> None:
         print(f"webhook: {part['webhook_refuses_invalid_job']}", flush=True)
         for r in range(args.repeats):
             order = ["dtjob", "pytorchjob"] if r % 2 == 0 else ["pytorchjob", "dtjob"]
-            for kind in order:
+            for kind in [k for k in order if k in kinds]:
                 name = f"{'dtj' if kind == 'dtjob' else 'ptj'}-{run_id[-4:]}-{r}"
                 job = BenchJob(kind, name, NAMESPACES[kind], TOTAL_STEPS)
                 print(f"repeat {r}: {kind} job {name} (load {machine_load():.1f})", flush=True)
@@ -151,6 +155,9 @@ def main() -> None:
     r.add_argument("--repeats", type=int, default=1)
     r.add_argument(
         "--scenarios", default=",".join(SCENARIOS), help=f"comma-separated, of {','.join(SCENARIOS)}"
+    )
+    r.add_argument(
+        "--operators", default=",".join(NAMESPACES), help="comma-separated: one side alone, to look into it"
     )
     r.add_argument("--parts", type=Path, default=DEFAULT_PARTS)
     r.add_argument("--down", action="store_true", help="take the devcluster down at the end")

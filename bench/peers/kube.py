@@ -156,9 +156,11 @@ def pod_pids(namespace: str, pod: str, program: bytes) -> list[int]:
 
 
 def trainer_pids(namespace: str, pod: str) -> list[int]:
-    """The dtjob trainer processes of a pod (under torchrun: its children, not torchrun itself)."""
+    """The dtjob trainer processes of a pod: not the agent that runs them (torchrun; dtjob's
+    launcher, and its standbys until one becomes a trainer and takes the trainer's command line)."""
     pids = pod_pids(namespace, pod, b"dtjob.trainer")
-    return [p for p in pids if b"torchrun" not in Path(f"/proc/{p}/cmdline").read_bytes()]
+    agents = (b"torchrun", b"dtjob.launcher")
+    return [p for p in pids if not any(a in Path(f"/proc/{p}/cmdline").read_bytes() for a in agents)]
 
 
 def signal_all(pids: list[int], sig: signal.Signals) -> None:

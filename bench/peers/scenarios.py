@@ -47,6 +47,11 @@ RECOVERY_TIMEOUT_S = 300.0
 METRONOME_S = 3.0
 FULL_WORLD_TIMEOUT_S = 150.0  # past it "back at 2 workers" counts as never (the row says how often)
 FAULTED_POD = 1  # worker-1: not the pod whose Service is torchrun's rendezvous endpoint
+# How long the gang holds at its gate before each fault, on both sides: a fault meets a job in its
+# steady state, not one that started seconds ago. dtjob's standbys are ready about 10 s after their
+# trainers start (5 s delay, 4 s of imports); with a 1 s hold the first SIGKILL, 8 s after the pods
+# started, met none and took the cold path (bench/README.md).
+HOLD_BEFORE_FAULT_S = 15.0
 
 
 def _step_records(log: StepLog, after: float) -> list[tuple[float, dict[str, Any]]]:
@@ -212,7 +217,7 @@ def _run_fault(
     # Pods running are not enough: a PyTorchJob that went on with 1 worker after a node loss
     # takes the new second pod in only at torchrun's next restart.
     fault_step = _meet_gang(job, log, fault_step, world, next_gate)
-    time.sleep(1.0)  # every rank past the step and waiting at the gate
+    time.sleep(HOLD_BEFORE_FAULT_S)  # every rank past the step and waiting at the gate
     pod = job.pod(FAULTED_POD)
     node: str | None = None
     world_after: int | None = None

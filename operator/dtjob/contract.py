@@ -61,6 +61,17 @@ ENV_DEVICE = "DTJOB_DEVICE"  # auto | cpu | cuda
 # Seconds a rank's heartbeat may be silent before the others declare it lost and exit
 # EXIT_PEER_LOST (spec.elastic.heartbeatTimeoutSeconds).
 ENV_HEARTBEAT_TIMEOUT = "DTJOB_HEARTBEAT_TIMEOUT"
+# Restarts in place (dtjob.launcher; spec.elastic.restartInPlace): pod 0's agent coordinates them
+# on this port (spec.masterPort + 1); unset, a failed trainer fails its pod.
+ENV_AGENT_PORT = "DTJOB_AGENT_PORT"
+# How many restarts in place the gang may still make (elastic.maxRestarts - status.restarts when
+# the generation was created), and the exit codes that are never restarted in place (comma list).
+ENV_RESTARTS_LEFT = "DTJOB_RESTARTS_LEFT"
+ENV_PERMANENT_EXIT_CODES = "DTJOB_PERMANENT_EXIT_CODES"
+# Given to the trainers of a round restarted in place: the restarts in place of this generation
+# so far, and what failed before the last one ("rank 1 (pod 1) exited 137 (SIGKILL)").
+ENV_IN_PLACE_RESTARTS = "DTJOB_IN_PLACE_RESTARTS"
+ENV_RESTART_CAUSE = "DTJOB_RESTART_CAUSE"
 
 # --- metrics (gauges) --------------------------------------------------------------------------
 METRIC_STEP = "dtjob_trainer_step"
@@ -70,6 +81,8 @@ METRIC_LAST_CHECKPOINT_TIME = "dtjob_trainer_last_checkpoint_timestamp_seconds"
 METRIC_CHECKPOINT_FAILURES = "dtjob_trainer_checkpoint_write_failures"
 METRIC_WORLD_SIZE = "dtjob_trainer_world_size"
 METRIC_GENERATION = "dtjob_trainer_generation"
+# DTJOB_IN_PLACE_RESTARTS of the trainer, with its DTJOB_RESTART_CAUSE as the label `cause`.
+METRIC_IN_PLACE_RESTARTS = "dtjob_trainer_in_place_restarts"
 
 # --- the peer-lost line --------------------------------------------------------------------------
 # A process leaving with EXIT_PEER_LOST logs `peer_lost_line(rank, seconds)` first; the operator
@@ -86,6 +99,25 @@ def parse_peer_lost_line(text: str) -> int | None:
     """The lost rank named by the last peer-lost line in `text` (a log tail), or None."""
     found = None
     for match in _PEER_LOST.finditer(text):
+        found = match
+    return None if found is None else int(found.group(1))
+
+
+# --- the agent's last line ----------------------------------------------------------------------
+# A pod agent that restarts in place (dtjob.launcher) logs `in_place_line(n)` as its last line when
+# it leaves failing: the operator counts the n restarts in place of the generation from it, as
+# rank 0's metrics may not have shown the last ones.
+_IN_PLACE = re.compile(r"restarts in place in this generation: (\d+)")
+
+
+def in_place_line(restarts: int) -> str:
+    return f"restarts in place in this generation: {restarts}"
+
+
+def parse_in_place_line(text: str) -> int | None:
+    """The count of the last `in_place_line` in `text` (a log tail), or None."""
+    found = None
+    for match in _IN_PLACE.finditer(text):
         found = match
     return None if found is None else int(found.group(1))
 

@@ -1,8 +1,8 @@
 """Chaos on the devcluster: several jobs at once (DDP, ZeRO-3, pipeline, and a DDP job scaled down
-and up with kubectl mid-run) while faults of every kind in tests/chaos/faults.py hit them, one at
-a time, at seeded random moments. A fault-free twin of each fixed-size job runs beside them. The
-control plane's faults (etcd, the API server) must cost the job they come beside nothing: no
-restart, no new generation.
+and up with kubectl mid-run; the DDP job restarts in place, the others in new pods) while faults
+of every kind in tests/chaos/faults.py hit them, one at a time, at seeded random moments. A
+fault-free twin of each fixed-size job runs beside them. The control plane's faults (etcd, the API
+server) must cost the job they come beside nothing: no restart, no new generation.
 
 Each job's checkpoints go to a tmpfs of its own (the volume-full fault fills it). At the end every
 job must have Succeeded with exactly its steps and its last checkpoint written, rank 0's step log
@@ -75,6 +75,7 @@ class Job:
     replicas: int
     args: list[str]
     scaled: bool = False  # kubectl scale to replicas - 1 and back, mid-run
+    in_place: bool = False  # elastic.restartInPlace: a trainer's failure restarts it in its pods
     gate: int = 0
     plan: list[str] = field(default_factory=list)
 
@@ -151,11 +152,26 @@ def manifest(op: Operator, job: Job, steps: int, gate: int | None) -> dict[str, 
     m = job_manifest(op, job.name, replicas=job.replicas, steps=steps, checkpoint_every=CHECKPOINT_EVERY,
                      gate=gate, trainer_args=MODEL + job.args, max_restarts=50, **size)  # fmt: skip
     m["spec"]["elastic"]["heartbeatTimeoutSeconds"] = HEARTBEAT_TIMEOUT
+    # One job restarts in place (the default of dtjob's trainer): its crashes, hangs and damaged
+    # checkpoints are survived in its pods; the others take the path of a lost pod or node, new pods.
+    m["spec"]["elastic"]["restartInPlace"] = job.in_place
     return m
 
 
 def generation_of(log: list[dict[str, Any]]) -> int:
     return max((r["generation"] for r in log), default=0)
+
+
+Gang = tuple[int, int]
+
+
+def gang_of(record: dict[str, Any]) -> Gang:
+    """Which gang logged a step: its generation (new pods) and its restarts in place."""
+    return int(record["generation"]), int(record.get("in_place_restarts") or 0)
+
+
+def newest_gang(log: list[dict[str, Any]]) -> Gang:
+    return max((gang_of(r) for r in log), default=(0, 0))
 
 
 def restarted(op: Operator, job: str, before: dict[str, Any]) -> bool:
@@ -167,15 +183,14 @@ def restarted(op: Operator, job: str, before: dict[str, Any]) -> bool:
 
 def wait_held(op: Operator, job: Job) -> None:
     """Until the job's newest gang waits at the job's gate (its last logged step, of the generation
-    the status names): an older gang may have passed the gate before a fault stopped it."""
+    and the restarts in place the status names): an older gang may have passed the gate before a
+    fault stopped it."""
 
     def held() -> bool:
         log = step_log(op, job.name)
-        return (
-            bool(log)
-            and log[-1]["step"] >= job.gate
-            and log[-1]["generation"] == status(op, job.name).get("generation", 0)
-        )
+        st = status(op, job.name)
+        newest = (int(st.get("generation") or 0), int(st.get("inPlaceRestarts") or 0))
+        return bool(log) and log[-1]["step"] >= job.gate and gang_of(log[-1]) == newest
 
     try:
         wait_for(f"{job.name}: its newest gang at step {job.gate}", held, timeout=RECOVERY_TIMEOUT)
@@ -213,7 +228,7 @@ def inject(op: Operator, job: Job, kind: str, rng: random.Random, watch: ExitWat
     wait_held(op, job)
     before_log = step_log(op, job.name)
     before_status = status(op, job.name)
-    gen0 = generation_of(before_log)
+    gang0 = newest_gang(before_log)
     rank = rng.randrange(int(before_status.get("replicas") or job.replicas))
     held_at = job.gate
     job.gate = next_gate(rng, job.gate)
@@ -251,14 +266,14 @@ def inject(op: Operator, job: Job, kind: str, rng: random.Random, watch: ExitWat
                 if kind == "operator":  # mid-restart: the gang is being replaced right now
                     faults.restart_operator(op, down_seconds=rng.uniform(1.0, 3.0))
             log = step_log(op, job.name)
-            if generation_of(log) > gen0:
+            if newest_gang(log) > gang0:
                 again = time.time() - t0
             time.sleep(0.2)
     finally:
         if node is not None:
             faults.start_node(node)
     log = step_log(op, job.name)
-    new = [r for r in log[len(before_log) :] if r["generation"] > gen0]
+    new = [r for r in log[len(before_log) :] if gang_of(r) > gang0]
     last_before = max(r["step"] for r in log[: len(log) - len(new)])
     resumed_from = new[0]["step"] - 1
     exited = watch.first_exit(job.name, t0)
@@ -277,7 +292,7 @@ def volume_full(op: Operator, job: Job, rng: random.Random) -> Outcome:
     condition on the job, "training again" the next step logged (what the refused write cost)."""
     wait_held(op, job)
     before_log, before_status = step_log(op, job.name), status(op, job.name)
-    gen0, last = generation_of(before_log), before_log[-1]["step"]
+    gang0, last = newest_gang(before_log), before_log[-1]["step"]
     refused = last + CHECKPOINT_EVERY - last % CHECKPOINT_EVERY
     filler = faults.fill_volume(faults.checkpoint_root(op, job.name))
     job.gate = next_gate(rng, job.gate + 1)  # 5 steps or more: one is a checkpoint step
@@ -303,7 +318,7 @@ def volume_full(op: Operator, job: Job, rng: random.Random) -> Outcome:
         filler.unlink()
     assert "CheckpointWriteFailed" in [e["reason"] for e in events(op, job.name)]
     new = step_log(op, job.name)[len(before_log) :]
-    assert all(r["generation"] == gen0 for r in new), f"{job.name}: a full volume restarted the gang: {new}"
+    assert all(gang_of(r) == gang0 for r in new), f"{job.name}: a full volume restarted the gang: {new}"
     assert not restarted(op, job.name, before_status), f"{job.name}: a full volume counted a restart"
     print(f"chaos: volume-full on {job.name}, checkpoint of step {refused} refused: shown on the job "
           f"{detected:.1f}s, next step {again:.1f}s")  # fmt: skip
@@ -316,7 +331,7 @@ def control_plane(op: Operator, job: Job, kind: str, rng: random.Random) -> Outc
     restart, no step lost); "training again" is the first step rank 0 logs after the fault."""
     wait_held(op, job)
     before_log, before_status = step_log(op, job.name), status(op, job.name)
-    gen0, last = generation_of(before_log), before_log[-1]["step"]
+    gang0, last = newest_gang(before_log), before_log[-1]["step"]
     job.gate = next_gate(rng, job.gate)
     open_gate(op, job.name, job.gate)
     time.sleep(rng.uniform(0.0, 0.4))
@@ -335,7 +350,7 @@ def control_plane(op: Operator, job: Job, kind: str, rng: random.Random) -> Outc
             time.sleep(0.1)
         restart.result()  # its failure is the test's
     new = step_log(op, job.name)[len(before_log) :]
-    assert all(r["generation"] == gen0 for r in new), f"{job.name}: {kind} restarted the gang: {new}"
+    assert all(gang_of(r) == gang0 for r in new), f"{job.name}: {kind} restarted the gang: {new}"
     assert not restarted(op, job.name, before_status), f"{job.name}: {kind} counted a restart"
     print(f"chaos: {kind} beside {job.name} at gate {last}: trained on, next step {again}")
     return Outcome(kind, job.name, None, again if again is not None else time.time() - t0, 0, last, None)
@@ -348,7 +363,7 @@ def rescale(op: Operator, job: Job, replicas: int, rng: random.Random) -> Outcom
     one (6-11 steps always hold a multiple of 5)."""
     wait_held(op, job)
     before = step_log(op, job.name)
-    gen0 = generation_of(before)
+    gang0 = newest_gang(before)
     growing = replicas > int(status(op, job.name).get("replicas") or 0)
     job.gate = next_gate(rng, job.gate + 2)
     open_gate(op, job.name, job.gate)
@@ -358,7 +373,7 @@ def rescale(op: Operator, job: Job, replicas: int, rng: random.Random) -> Outcom
     faults.restart_operator(op, down_seconds=rng.uniform(1.0, 3.0))
 
     def training() -> bool:
-        return any(r["generation"] > gen0 and r["world_size"] == replicas for r in step_log(op, job.name))
+        return any(gang_of(r) > gang0 and r["world_size"] == replicas for r in step_log(op, job.name))
 
     # A stop that finds the gang waiting at its gate runs one more step (SIGTERM lets it past the
     # gate) and checkpoints it, so the next gang may resume past the gate and wait there without
@@ -380,7 +395,7 @@ def rescale(op: Operator, job: Job, replicas: int, rng: random.Random) -> Outcom
         time.sleep(0.2)
     again = time.time() - t0
     log = step_log(op, job.name)
-    new = [r for r in log[len(before) :] if r["generation"] > gen0]
+    new = [r for r in log[len(before) :] if gang_of(r) > gang0]
     last_before = max(r["step"] for r in log[: len(log) - len(new)])
     resumed_from = new[0]["step"] - 1
     kind = "scale-up" if growing else "scale-down"
@@ -391,15 +406,15 @@ def rescale(op: Operator, job: Job, replicas: int, rng: random.Random) -> Outcom
 
 
 def assert_sound(job: Job, log: list[dict[str, Any]], steps: int, outcomes: list[Outcome]) -> None:
-    """Rank 0's step log of a finished job: every step up to `steps`, each generation contiguous,
+    """Rank 0's step log of a finished job: every step up to `steps`, each gang's steps contiguous,
     no damaged checkpoint loaded, and the same loss whenever a step ran again at one world size."""
     assert {r["step"] for r in log} == set(range(1, steps + 1)), f"{job.name}: steps missing"
     assert log[-1]["step"] == steps
-    by_generation: dict[int, list[int]] = {}
+    by_gang: dict[Gang, list[int]] = {}
     for r in log:
-        by_generation.setdefault(r["generation"], []).append(r["step"])
-    for generation, seen in by_generation.items():
-        assert seen == list(range(seen[0], seen[-1] + 1)), f"{job.name} generation {generation}: {seen}"
+        by_gang.setdefault(gang_of(r), []).append(r["step"])
+    for gang, seen in by_gang.items():
+        assert seen == list(range(seen[0], seen[-1] + 1)), f"{job.name} gang {gang}: {seen}"
     for o in outcomes:
         if o.damaged_step is not None:
             assert o.resumed_from < o.damaged_step, f"{job.name} loaded the damaged checkpoint: {o}"
@@ -443,7 +458,7 @@ def test_jobs_under_chaos_succeed_with_every_step_and_their_twins_loss(
 ) -> None:
     started = time.monotonic()
     rng = random.Random(SEED)
-    jobs = [Job(name, 2, args) for name, args in STRATEGIES.items()]
+    jobs = [Job(name, 2, args, in_place=name == "ddp") for name, args in STRATEGIES.items()]
     jobs.append(Job("scaled", 3, STRATEGIES["ddp"], scaled=True))
     kinds = [k for k in faults.KINDS for _ in range(ROUNDS)]
     rng.shuffle(kinds)

@@ -117,6 +117,7 @@ def job_manifest(
     checkpoint_every: int = 5,
     gate: int | None = None,
     trainer_args: list[str] | None = None,
+    restart_in_place: bool | None = None,
     **spec_extra: Any,
 ) -> dict[str, Any]:
     """A tiny GPT job (1 block, width 32): a step takes a fraction of a second on this machine.
@@ -124,7 +125,8 @@ def job_manifest(
 
     gate: the trainers run up to this step and wait there (the step gate, SCRATCH/<ns>/<name>/gate)
     until `open_gate` lets them further, so a test acts at the step it chooses.
-    trainer_args: more trainer flags after the defaults (a later flag wins: `--layers=2`)."""
+    trainer_args: more trainer flags after the defaults (a later flag wins: `--layers=2`).
+    restart_in_place: elastic.restartInPlace (None: unset, on for dtjob's trainer)."""
     host = SCRATCH / op.namespace / name
     (host / "checkpoints").mkdir(parents=True, exist_ok=True)
     (host / "logs").mkdir(parents=True, exist_ok=True)
@@ -150,6 +152,8 @@ def job_manifest(
         elastic["minReplicas"] = min_replicas
     if max_replicas is not None:
         elastic["maxReplicas"] = max_replicas
+    if restart_in_place is not None:
+        elastic["restartInPlace"] = restart_in_place
     spec: dict[str, Any] = {
         "replicas": replicas,
         "elastic": elastic,
@@ -259,6 +263,24 @@ def trainer_pids(op: Operator, name: str, rank: int, program: bytes = b"dtjob.tr
         if wanted <= env and program in cmdline and b"dtjob.launcher" not in cmdline:
             found.append(int(proc.name))
     return found
+
+
+def ready_standbys(op: Operator, name: str) -> int:
+    """Warm standbys of the job's pods that are ready to become trainers (their title says so)."""
+    wanted = {f"DTJOB_JOB_NAME={name}", f"DTJOB_NAMESPACE={op.namespace}"}
+    count = 0
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes()
+            if b"dtjob.launcher.standby (ready)" not in cmdline.replace(b"\0", b" "):
+                continue
+            env = set((proc / "environ").read_bytes().decode(errors="replace").split("\0"))
+        except OSError:
+            continue
+        count += wanted <= env
+    return count
 
 
 def sigkill_worker(op: Operator, name: str, rank: int, program: bytes = b"dtjob.trainer") -> float:

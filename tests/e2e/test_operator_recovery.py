@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.chaos.faults import restart_component
-from tests.e2e.conftest import Devcluster
+from tests.e2e.conftest import Devcluster, wait_for
 from tests.e2e.operator_harness import (
     SCRATCH,
     Operator,
@@ -21,6 +21,7 @@ from tests.e2e.operator_harness import (
     open_gate,
     operator_namespace,
     pods,
+    ready_standbys,
     sigkill_worker,
     status,
     step_log,
@@ -46,7 +47,9 @@ def record(measurement: dict[str, object]) -> None:
 
 def test_sigkilled_worker_resumes_from_the_last_checkpoint_at_the_same_size(op: Operator) -> None:
     steps = 30
-    apply(job_manifest(op, "kill", replicas=3, steps=steps, checkpoint_every=5, gate=12))
+    manifest = job_manifest(op, "kill", replicas=3, steps=steps, checkpoint_every=5, gate=12,
+                            restart_in_place=False)  # fmt: skip
+    apply(manifest)
     wait_step(op, "kill", 12)
     killed_at = sigkill_worker(op, "kill", rank=1)
     open_gate(op, "kill", steps)
@@ -82,9 +85,38 @@ def test_sigkilled_worker_resumes_from_the_last_checkpoint_at_the_same_size(op: 
     )
 
 
+def test_a_sigkilled_trainer_restarts_in_place_in_the_same_pods(op: Operator) -> None:
+    steps = 20
+    apply(job_manifest(op, "inplace", replicas=2, steps=steps, checkpoint_every=5, gate=7, max_restarts=3))
+    wait_step(op, "inplace", 7)
+    uids = {p["metadata"]["name"]: p["metadata"]["uid"] for p in pods(op, "inplace")}
+    wait_for("both pods' standbys ready", lambda: ready_standbys(op, "inplace") == 2, timeout=300)
+    killed_at = sigkill_worker(op, "inplace", rank=1)
+    again = lambda: any(r.get("in_place_restarts") == 1 for r in step_log(op, "inplace"))  # noqa: E731
+    wait_for("a step of the gang restarted in place", again, timeout=120)
+    again_at = time.time()
+    st = wait_status(op, "inplace", "the restart in place counted", lambda s: s.get("restarts") == 1)
+    assert (st["generation"], st["inPlaceRestarts"]) == (0, 1)
+    event = next(e for e in events(op, "inplace") if e["reason"] == "RestartedInPlace")
+    assert event["type"] == "Warning" and "rank 1 (pod 1) exited 137 (SIGKILL)" in event["message"]
+    open_gate(op, "inplace", steps)
+    done = wait_phase(op, "inplace", "Succeeded")
+    assert (done["generation"], done["restarts"], done["step"]) == (0, 1, steps)
+    assert {p["metadata"]["name"]: p["metadata"]["uid"] for p in pods(op, "inplace")} == uids, "the same pods"
+    log = step_log(op, "inplace")
+    before = [r["step"] for r in log if r["in_place_restarts"] == 0]
+    after = [r["step"] for r in log if r["in_place_restarts"] == 1]
+    assert before == list(range(1, 8)) and after == list(range(6, steps + 1)), "resumed from step 5"
+    assert 'dtjob_operator_gang_restarts_total{reason="InPlace"} 1.0' in op.metrics()
+    record({"measure": "sigkill_to_first_step_in_place_seconds", "value": round(again_at - killed_at, 1)})
+
+
 def test_operator_killed_during_a_gang_restart_converges_without_duplicates(op: Operator) -> None:
     steps = 30
-    apply(job_manifest(op, "crash", replicas=3, steps=steps, checkpoint_every=5, gate=8))
+    # A restart in new pods (in place, no pod would be replaced while the operator is down).
+    manifest = job_manifest(op, "crash", replicas=3, steps=steps, checkpoint_every=5, gate=8,
+                            restart_in_place=False)  # fmt: skip
+    apply(manifest)
     wait_step(op, "crash", 8)
     sigkill_worker(op, "crash", rank=2)
     wait_status(op, "crash", "a gang restart under way", lambda s: s.get("generation", 0) >= 1)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -23,11 +24,23 @@ TINY_GPT = ["--model", "gpt", "--layers", "2", "--dim", "32", "--heads", "2", "-
 GANG_TIMEOUT_S = 300.0  # a hang guard, generous for a loaded machine: normal runs take seconds
 
 
+# Ports a test listens on come from below the kernel's ephemeral range (32768-60999 here): a port
+# the kernel hands out as free may be taken by an outgoing connection's source port before the
+# trainer binds it, and was, twice in an hour, with an API server under a scale benchmark beside.
+LISTEN_PORTS = range(20000, 32768)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+    """A port nothing listens on or connects from now, outside the ephemeral range."""
+    for _ in range(200):
+        port = random.choice(LISTEN_PORTS)
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {LISTEN_PORTS}")
 
 
 def free_port_run(count: int) -> int:

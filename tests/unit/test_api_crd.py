@@ -88,7 +88,7 @@ def test_the_template_is_a_real_pod_template_spec() -> None:
 def test_defaults_and_enums_reach_the_crd() -> None:
     spec = _schema()["properties"]["spec"]["properties"]
     assert spec["masterPort"]["default"] == 29500
-    assert (spec["masterPort"]["minimum"], spec["masterPort"]["maximum"]) == (1, 65535)
+    assert (spec["masterPort"]["minimum"], spec["masterPort"]["maximum"]) == (1, 65534)  # + 1: the agent
     assert spec["elastic"]["default"] == {} and spec["runPolicy"]["default"] == {}
     assert spec["elastic"]["properties"]["maxRestarts"] == {
         "type": "integer",

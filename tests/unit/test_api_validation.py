@@ -92,6 +92,8 @@ INVALID: list[Invalid] = [
     Invalid("master-port-too-big", _spec(masterPort=70000), ("spec.masterPort",)),
     Invalid("master-port-zero", _spec(masterPort=0), ("spec.masterPort",)),
     Invalid("metrics-port-is-master-port", _spec(masterPort=9400, metricsPort=9400), ("spec.metricsPort",)),
+    Invalid("metrics-port-is-agent-port", _spec(masterPort=9400, metricsPort=9401), ("spec.metricsPort",)),
+    Invalid("master-port-leaves-no-agent-port", _spec(masterPort=65535), ("spec.masterPort",)),
     Invalid("no-trainer-container", _set(f"{CONTAINER}.name", "worker"), ("spec.template.spec.containers",)),
     Invalid(
         "pod-restart-policy-always",

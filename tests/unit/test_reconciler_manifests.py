@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from decimal import Decimal
+from typing import Any
 
 import pytest
 
@@ -47,6 +48,10 @@ def test_worker_pod_has_the_design_names_labels_env_and_volume() -> None:
         "DTJOB_CHECKPOINT_DIR": "/ckpt",
         "DTJOB_METRICS_PORT": "9400",
         "DTJOB_HEARTBEAT_TIMEOUT": "10",
+        # dtjob's trainer: restarts in place, pod 0's agent on masterPort + 1
+        "DTJOB_AGENT_PORT": "29501",
+        "DTJOB_RESTARTS_LEFT": "0",
+        "DTJOB_PERMANENT_EXIT_CODES": "2,126,127",
         "DTJOB_STEPS": "50",
     }, "contract variables override the template's (RANK=9 there), other variables stay"
     trainer = spec["containers"][0]
@@ -91,10 +96,46 @@ def test_a_pod_of_several_processes_runs_them_through_the_launcher() -> None:
         == "6"
     )
     job["spec"]["nprocPerWorker"] = 1
+    job["spec"]["elastic"]["restartInPlace"] = False
     one = worker_pod(JobView(job), rank=0, world_size=2, generation=0, defaults=WorkerDefaults())["spec"][
         "containers"
     ][0]
     assert one["command"] == ["python", "-m", "dtjob.trainer"], "one process: the command as written"
+    assert [p["name"] for p in one["ports"]] == ["master", "metrics"]
+
+
+def _trainer(pod: dict[str, Any]) -> dict[str, Any]:
+    return dict(pod["spec"]["containers"][0])
+
+
+def test_dtjobs_own_trainer_restarts_in_place_through_the_agent_unless_told_not_to() -> None:
+    job = make_job()
+    pod = worker_pod(
+        JobView(job), rank=0, world_size=2, generation=0, defaults=WorkerDefaults(), restarts_left=2
+    )
+    container = _trainer(pod)
+    assert container["command"] == ["python", "-m", "dtjob.launcher", "--", "python", "-m", "dtjob.trainer"]
+    assert {"name": "agent", "containerPort": 29501, "protocol": "TCP"} in container["ports"]
+    env = env_of(pod)
+    assert (env["DTJOB_AGENT_PORT"], env["DTJOB_RESTARTS_LEFT"]) == ("29501", "2")
+
+    job["spec"]["elastic"]["restartPolicy"] = "OnFailure"
+    assert env_of(worker_pod(JobView(job), 0, 2, 0, WorkerDefaults()))["DTJOB_PERMANENT_EXIT_CODES"] == ""
+    job["spec"]["elastic"]["restartPolicy"] = "Never"  # nothing restarts: no agent
+    assert "DTJOB_AGENT_PORT" not in env_of(worker_pod(JobView(job), 0, 2, 0, WorkerDefaults()))
+
+    own = make_job()
+    _trainer_of(own)["command"] = ["python", "/script/train.py"]  # a user's script: only when asked
+    assert _trainer(worker_pod(JobView(own), 0, 2, 0, WorkerDefaults()))["command"] == [
+        "python", "/script/train.py"]  # fmt: skip
+    own["spec"]["elastic"]["restartInPlace"] = True
+    assert _trainer(worker_pod(JobView(own), 0, 2, 0, WorkerDefaults()))["command"][:4] == [
+        "python", "-m", "dtjob.launcher", "--"]  # fmt: skip
+
+
+def _trainer_of(job: dict[str, Any]) -> dict[str, Any]:
+    container: dict[str, Any] = job["spec"]["template"]["spec"]["containers"][0]
+    return container
 
 
 def test_template_is_not_mutated_by_building_pods() -> None:

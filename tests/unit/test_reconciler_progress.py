@@ -265,3 +265,47 @@ def test_checkpoint_writes_the_volume_refuses_show_on_the_job_until_one_is_writt
     cleared = condition(finished, "CheckpointWriteFailing")
     assert status_patch(finished)["phase"] == "Succeeded"
     assert cleared is not None and cleared["status"] == "False"
+
+
+# --- restarts in place -----------------------------------------------------------------------------
+def in_place(restarts: int, cause: str = "rank 1 (pod 1) exited 137 (SIGKILL)") -> TrainerProgress:
+    return TrainerProgress(step=12, in_place_restarts=restarts, restart_cause=cause)
+
+
+def test_restarts_in_place_from_rank_0_are_counted_once_with_an_event() -> None:
+    job = make_job(status={**running_status(restarts=1), "inPlaceRestarts": 1})
+    actions = run(job, gang(4), two_nodes(), progress=in_place(3))
+    patch = status_patch(actions)
+    assert (patch["restarts"], patch["inPlaceRestarts"]) == (3, 3)
+    assert "generation" not in patch, "no new pods"
+    assert [(e.type, e.reason) for e in events(actions)] == [("Warning", "RestartedInPlace")]
+    assert events(actions)[0].message == (
+        "generation 0: the gang restarted in place (3 in this generation, 3 restarts in all): "
+        "rank 1 (pod 1) exited 137 (SIGKILL)"
+    )
+    assert actions.count(CountRestart("InPlace")) == 2
+    again = run(applied(job, actions), gang(4), two_nodes(), progress=in_place(3))
+    assert "restarts" not in status_patch(again) and not events(again), "counted once"
+
+
+def test_a_failed_pods_agent_line_counts_the_restarts_in_place_metrics_did_not_show() -> None:
+    job = make_job(status={**running_status(restarts=1), "inPlaceRestarts": 1}, elastic={"maxRestarts": 3})
+    pods = gang(4)
+    pods[1] = make_pod(1, node="n1", phase="Failed", exit_code=137)
+    log = {"gpt-worker-1": "dtjob-launcher[pod 1]: ...\n" + contract.in_place_line(3) + "\n"}
+    actions = run(job, pods, two_nodes(), worker_logs=log)
+    patch = status_patch(actions)
+    # 3 in place (2 of them new) and the failure itself: 4 > maxRestarts 3
+    assert (patch["restarts"], patch["phase"]) == (4, "Failed")
+    assert (condition(actions, "Failed") or {})["reason"] == "MaxRestartsExceeded"
+
+
+def test_a_new_generation_counts_its_restarts_in_place_from_0() -> None:
+    job = make_job(status={**running_status(restarts=2), "inPlaceRestarts": 2})
+    pods = gang(4)
+    pods[3] = make_pod(3, node="n2", phase="Failed", exit_code=1)
+    patch = status_patch(run(job, pods, two_nodes()))
+    assert (patch["generation"], patch["restarts"], patch["inPlaceRestarts"]) == (1, 3, 0)
+    created = creates(run(applied(job, run(job, pods, two_nodes())), [], two_nodes()))
+    env = {e["name"]: e["value"] for e in created[0].manifest["spec"]["containers"][0]["env"]}
+    assert env[contract.ENV_RESTARTS_LEFT] == "0", "maxRestarts 3 - 3 restarts"

@@ -40,3 +40,19 @@ def test_final_state_from_json_step_lines_or_the_closing_line() -> None:
     closing = "INFO training complete at step 30; last checkpoint step 30 at 1764425000.250\n"
     assert final_state_from_log(json_log + closing) == TrainerProgress(30, 30, 1764425000.25)
     assert final_state_from_log("Traceback (most recent call last):\n") is None
+
+
+def test_restarts_in_place_and_their_cause_are_read_from_the_label() -> None:
+    from prometheus_client import CollectorRegistry, Gauge, generate_latest
+
+    registry = CollectorRegistry()  # the trainer's own exposition of it (dtjob.trainer.metrics)
+    gauge = Gauge("dtjob_trainer_in_place_restarts", "restarts in place", ("cause",), registry=registry)
+    gauge.labels('rank 1 (pod 1) exited 137 (SIGKILL) "x"\\y').set(2)
+    progress = parse_trainer_metrics(EXPOSITION + generate_latest(registry).decode())
+    assert (progress.in_place_restarts, progress.restart_cause) == (
+        2,
+        'rank 1 (pod 1) exited 137 (SIGKILL) "x"\\y',
+    )
+    assert parse_trainer_metrics(EXPOSITION).in_place_restarts is None
+    first = parse_trainer_metrics('dtjob_trainer_in_place_restarts{cause=""} 0.0\n')
+    assert (first.in_place_restarts, first.restart_cause) == (0, None)

@@ -120,6 +120,17 @@ class ElasticPolicy(ApiModel):
         "for this long is restarted (counted), whatever the trainer does. Unset: off. Needs a "
         "trainer that publishes the step; condition MetricsAvailable says when it does not.",
     )
+    restart_in_place: bool | None = Field(
+        default=None,
+        description="Restart the gang inside its running pods when a trainer process fails: the "
+        "pods run under dtjob's agent (`python -m dtjob.launcher`), which kills every pod's "
+        "trainers and starts them again from a warm standby process that imported torch "
+        "beforehand (a second Python process per trainer, idle until needed); the gang resumes "
+        "from its newest checkpoint, counted in status.restarts like any restart. A pod or node "
+        "that is lost, a permanent exit code, or a pod whose agent does not answer still restart "
+        "the gang in new pods. Needs dtjob in the image. Unset: on when the trainer container's "
+        "command is `python -m dtjob.trainer`. The agent listens on masterPort + 1.",
+    )
     permanent_exit_codes: list[Annotated[int, Field(ge=1, le=255)]] = Field(
         default_factory=lambda: [2, 126, 127],
         max_length=64,
@@ -223,8 +234,9 @@ class DistributedTrainingJobSpec(ApiModel):
     master_port: int = Field(
         default=DEFAULT_MASTER_PORT,
         ge=1,
-        le=65535,
-        description="Rendezvous port on rank 0 (MASTER_PORT). Immutable.",
+        le=65534,
+        description="Rendezvous port on rank 0 (MASTER_PORT). masterPort + 1 is the pod agent's "
+        "(elastic.restartInPlace). Immutable.",
     )
     metrics_port: int = Field(
         default=DEFAULT_METRICS_PORT,
@@ -329,7 +341,16 @@ class DistributedTrainingJobStatus(ApiModel):
         description="Gang generation number: 0 for the first gang, +1 at each restart or rescale.",
     )
     restarts: int | None = Field(
-        default=None, ge=0, description="Gang restarts caused by failures, counted against maxRestarts."
+        default=None,
+        ge=0,
+        description="Gang restarts caused by failures, in new pods and in place, counted against "
+        "maxRestarts.",
+    )
+    in_place_restarts: int | None = Field(
+        default=None,
+        ge=0,
+        description="Restarts in place of the current generation (elastic.restartInPlace) the "
+        "operator has counted: from rank 0's metrics, or the pod agent's last log line.",
     )
     step: int | None = Field(default=None, ge=0, description="Latest training step reported by rank 0.")
     last_checkpoint: CheckpointStatus | None = Field(default=None, description="Newest complete checkpoint.")

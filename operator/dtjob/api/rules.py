@@ -100,6 +100,12 @@ RULES: tuple[Rule, ...] = (
         lambda s: s.metrics_port != s.master_port,
     ),
     Rule(
+        "metricsPort",
+        "self.metricsPort != self.masterPort + 1",
+        "metricsPort must differ from masterPort + 1 (the pod agent's port)",
+        lambda s: s.metrics_port != s.master_port + 1,
+    ),
+    Rule(
         "scheduling.queue",
         "!has(self.scheduling) || !has(self.scheduling.queue) || self.scheduling.gang"
         " || (has(self.scheduling.schedulerName) && self.scheduling.schedulerName == 'volcano')",

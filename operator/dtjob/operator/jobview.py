@@ -8,6 +8,7 @@ bad fields, so the reconciler can report them (condition Valid=False) before tou
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
@@ -70,6 +71,15 @@ GPU_RESOURCE = "nvidia.com/gpu"
 
 # The exit code of a trainer that stopped cleanly after a checkpoint (dtjob.contract).
 EXIT_CHECKPOINTED = contract.EXIT_STOPPED
+
+
+# `python[3[.11]] [-u] -m dtjob.trainer ...`: dtjob's own trainer, which restarts in place by default.
+_DTJOB_TRAINER = re.compile(r"(?:.*/)?python[\d.]*(?: -u)? -m dtjob\.trainer(?: .*)?")
+
+
+def runs_dtjob_trainer(command: list[str]) -> bool:
+    """Whether a container's command (with its args) runs dtjob's trainer."""
+    return _DTJOB_TRAINER.fullmatch(" ".join(str(word) for word in command)) is not None
 
 
 def _get(obj: Mapping[str, Any] | None, *path: str, default: Any = None) -> Any:
@@ -188,6 +198,26 @@ class JobView:
     def restart_policy(self) -> str:
         """OnFailure (always restart), Never (any failure fails the job) or ExitCode (default)."""
         return self.spec.elastic.restart_policy.value
+
+    @property
+    def restart_in_place(self) -> bool:
+        """Whether the pods run under dtjob's agent, which restarts the gang in place
+        (elastic.restartInPlace; unset: when the trainer runs `python -m dtjob.trainer`); never
+        under restartPolicy Never."""
+        if self.spec.elastic.restart_policy == RestartPolicy.NEVER:
+            return False
+        chosen = self.spec.elastic.restart_in_place
+        if chosen is not None:
+            return chosen
+        container = self.spec.trainer_container() or {}
+        return runs_dtjob_trainer([*(container.get("command") or []), *(container.get("args") or [])])
+
+    @property
+    def permanent_exit_codes(self) -> list[int]:
+        """The exit codes that fail the job at once (none under OnFailure)."""
+        if self.spec.elastic.restart_policy == RestartPolicy.ON_FAILURE:
+            return []
+        return list(self.spec.elastic.permanent_exit_codes)
 
     def is_permanent_exit_code(self, code: int) -> bool:
         """Whether a worker's failure fails the job at once instead of restarting the gang."""

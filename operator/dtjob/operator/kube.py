@@ -12,6 +12,7 @@ import copy
 import functools
 import json
 import logging
+import re
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import UTC, datetime
@@ -78,11 +79,26 @@ def _dict(api: client.ApiClient, obj: Any) -> dict[str, Any]:
     return cast(dict[str, Any], api.sanitize_for_serialization(obj))
 
 
+# `dtjob_trainer_in_place_restarts{cause="..."} N` (the cause escaped as Prometheus escapes labels)
+_IN_PLACE_SAMPLE = re.compile(
+    re.escape(contract.METRIC_IN_PLACE_RESTARTS) + r'\{cause="((?:[^"\\]|\\.)*)"\} (\S+)'
+)
+
+
 def parse_trainer_metrics(text: str) -> TrainerProgress:
     """Pick the trainer's gauges out of Prometheus text exposition format."""
     values: dict[str, float] = {}
+    in_place, cause = None, None
     for line in text.splitlines():
         if not line or line.startswith("#"):
+            continue
+        sample = _IN_PLACE_SAMPLE.match(line)
+        if sample is not None:
+            try:
+                in_place = int(float(sample.group(2)))
+            except ValueError:
+                continue
+            cause = re.sub(r"\\(.)", lambda m: "\n" if m.group(1) == "n" else m.group(1), sample.group(1))
             continue
         name, _, rest = line.partition(" ")
         name = name.split("{", 1)[0]
@@ -100,6 +116,8 @@ def parse_trainer_metrics(text: str) -> TrainerProgress:
         checkpoint_time=values.get("checkpoint_time") or None,
         checkpoints_published=checkpoint_step is not None,
         checkpoint_failures=int(values["checkpoint_failures"]) if "checkpoint_failures" in values else None,
+        in_place_restarts=in_place,
+        restart_cause=cause or None,
     )
 
 
@@ -210,7 +228,7 @@ class Kube:
             service_exists=self.cache.service_exists(view.namespace, view.name),
             podgroup=podgroup,
             progress=self._progress(view, pods) if spec_ok else None,
-            worker_logs=self._peer_lost_logs(view, pods),
+            worker_logs=self._failed_worker_logs(view, pods),
             queue=queue,
             queue_missing=queue_missing,
             leases=self._leases(view, pods),
@@ -248,15 +266,20 @@ class Kube:
         renewed = (lease.get("spec") or {}).get("renewTime")
         return str(renewed) if renewed else None
 
-    def _peer_lost_logs(self, job: JobView, pods: list[dict[str, Any]]) -> dict[str, str]:
-        """Log tails of the current generation's workers that exited EXIT_PEER_LOST: they name
-        the rank that went silent. At most settings.log_reads_per_pass of them, those without a
-        termination message first (one naming the rank makes the log unnecessary)."""
-        failed = [pod for pod in pods if (pod.get("status") or {}).get("phase") == "Failed"]
+    def _failed_worker_logs(self, job: JobView, pods: list[dict[str, Any]]) -> dict[str, str]:
+        """Log tails of the current generation's workers that exited EXIT_PEER_LOST (they name the
+        rank that went silent) and, when the pods restart in place, of those that failed (their
+        agent's last line counts its restarts in place). At most settings.log_reads_per_pass of
+        them, those without a termination message naming the lost rank first."""
+        in_place = not job.spec_errors and job.restart_in_place
         candidates = [
             w
-            for w in (Worker.of(pod) for pod in failed)
-            if w.generation == job.status.get("generation") and w.exit_code == contract.EXIT_PEER_LOST
+            for w in (Worker.of(pod) for pod in pods)
+            if w.generation == job.status.get("generation")
+            and w.phase == "Failed"
+            and (
+                w.exit_code == contract.EXIT_PEER_LOST or (in_place and w.exit_code != contract.EXIT_STOPPED)
+            )
         ]
         candidates.sort(key=lambda w: contract.parse_peer_lost_line(w.message or "") is not None)
         logs: dict[str, str] = {}

@@ -57,7 +57,14 @@ def selector_labels(job: JobView) -> dict[str, str]:
     return {LABEL_JOB: job.name}
 
 
-def _trainer_env(job: JobView, rank: int, world_size: int, generation: int) -> list[dict[str, Any]]:
+def agent_port(job: JobView) -> int:
+    """The port pod 0's agent coordinates restarts in place on (dtjob.launcher.coordinator)."""
+    return job.master_port + 1
+
+
+def _trainer_env(
+    job: JobView, rank: int, world_size: int, generation: int, restarts_left: int
+) -> list[dict[str, Any]]:
     c = contract
     nproc = job.nproc_per_worker
     values = {
@@ -78,6 +85,10 @@ def _trainer_env(job: JobView, rank: int, world_size: int, generation: int) -> l
         c.ENV_METRICS_PORT: str(job.metrics_port),
         c.ENV_HEARTBEAT_TIMEOUT: str(job.heartbeat_timeout_seconds),
     }
+    if job.restart_in_place:
+        values[c.ENV_AGENT_PORT] = str(agent_port(job))
+        values[c.ENV_RESTARTS_LEFT] = str(max(0, restarts_left))
+        values[c.ENV_PERMANENT_EXIT_CODES] = ",".join(str(code) for code in job.permanent_exit_codes)
     return [{"name": k, "value": v} for k, v in values.items()]
 
 
@@ -113,9 +124,9 @@ def _checkpoint_volume(job: JobView) -> dict[str, Any] | None:
 
 
 def _run_through_launcher(container: dict[str, Any]) -> None:
-    """Several processes per pod: the container runs `python -m dtjob.launcher -- <its command>`,
-    which starts LOCAL_WORLD_SIZE copies of it (the image's ENTRYPOINT when the template gives
-    no command: the trainer image's `python -m dtjob.trainer`)."""
+    """Several processes per pod, or restarts in place: the container runs `python -m
+    dtjob.launcher -- <its command>`, which starts LOCAL_WORLD_SIZE copies of it (the image's
+    ENTRYPOINT when the template gives no command: the trainer image's `python -m dtjob.trainer`)."""
     command = list(container.get("command") or ["python", "-m", "dtjob.trainer"])
     args = list(container.get("args") or [])
     container["command"] = ["python", "-m", "dtjob.launcher", "--", *command, *args]
@@ -129,9 +140,11 @@ def worker_pod(
     generation: int,
     defaults: WorkerDefaults,
     avoid_nodes: Sequence[str] = (),
+    restarts_left: int = 0,
 ) -> dict[str, Any]:
     """The pod of one worker of one generation; `defaults` are the installer's worker defaults,
-    `avoid_nodes` nodes it must not be placed on (required node affinity)."""
+    `avoid_nodes` nodes it must not be placed on (required node affinity), `restarts_left` the
+    restarts in place its gang may make (elastic.maxRestarts - status.restarts)."""
     template = copy.deepcopy(dict(job.template))
     meta = template.get("metadata") or {}
     spec: dict[str, Any] = template.get("spec") or {}
@@ -151,8 +164,8 @@ def worker_pod(
 
     spec["hostname"] = name
     spec["subdomain"] = job.name
-    # The operator restarts the whole gang; a kubelet restarting one worker in place would leave
-    # it alone in a process group its peers already left.
+    # The operator (or, in place, the pods' agents) restarts the whole gang; a kubelet restarting
+    # one worker in place would leave it alone in a process group its peers already left.
     spec["restartPolicy"] = "Never"
     # The installer's defaults (helm chart values `workers.*`) fill what the template leaves unset.
     defaults.apply(spec)
@@ -185,15 +198,17 @@ def worker_pod(
         if container.get("name") != TRAINER_CONTAINER:
             continue
         container["env"] = _merge_env(
-            container.get("env") or [], _trainer_env(job, rank, world_size, generation)
+            container.get("env") or [], _trainer_env(job, rank, world_size, generation, restarts_left)
         )
-        if job.nproc_per_worker > 1:
+        if job.nproc_per_worker > 1 or job.restart_in_place:
             _run_through_launcher(container)
-        ports = [p for p in container.get("ports") or [] if p.get("name") not in {"master", "metrics"}]
+        ours = {"master": job.master_port, "metrics": job.metrics_port}
+        if job.restart_in_place:
+            ours["agent"] = agent_port(job)
+        ports = [p for p in container.get("ports") or [] if p.get("name") not in ours]
         container["ports"] = [
             *ports,
-            {"name": "master", "containerPort": job.master_port, "protocol": "TCP"},
-            {"name": "metrics", "containerPort": job.metrics_port, "protocol": "TCP"},
+            *({"name": name, "containerPort": port, "protocol": "TCP"} for name, port in ours.items()),
         ]
         if volume is not None:
             mounts = [m for m in container.get("volumeMounts") or [] if m.get("name") != volume["name"]]

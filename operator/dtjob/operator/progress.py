@@ -40,6 +40,9 @@ class TrainerProgress:
     checkpoints_published: bool = False
     # Periodic checkpoint writes the volume refused since the last one that succeeded.
     checkpoint_failures: int | None = None
+    # Restarts in place of this generation before rank 0 started, and what failed before the last.
+    in_place_restarts: int | None = None
+    restart_cause: str | None = None
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,8 @@ The rules, in the order they are checked:
    (restarts += 1, the job fails once restarts would exceed maxRestarts) sized to what fits now,
    never below minReplicas; a worker that exited 75 on its own (stopped with a checkpoint) or that
    the scheduler preempted restarts the gang uncounted, and its peers get their full grace period
-   to checkpoint.
+   to checkpoint. Restarts the pods' agents made in place (elastic.restartInPlace; rank 0's
+   metrics, or a failed pod's agent's last line) count in restarts as well.
 7. Pods unschedulable past the elastic scheduling timeout shrink the job to what fits (planned);
    a Volcano gang whose members would fit waits instead (its queue or priority holds it).
 8. A healthy gang whose world size differs from the desired one rescales (planned): down at
@@ -704,6 +705,8 @@ def _new_generation(
     p.status["generation"] = generation
     p.status["replicas"] = size
     p.status["worldSize"] = size * p.job.nproc_per_worker
+    if p.job.restart_in_place:
+        p.status["inPlaceRestarts"] = 0  # the new generation's agents count from 0
     if counted:
         p.status["restarts"] = int(p.status.get("restarts") or 0) + 1
         p.actions.append(CountRestart(reason))
@@ -772,6 +775,10 @@ def _decide(p: _Pass, current: Sequence[Worker], workers: Sequence[Worker]) -> b
     if failures:
         counted = any(f.counted for f in failures)
         message = _describe(p, failures)
+        agents_said = [
+            contract.parse_in_place_line(p.obs.worker_logs.get(f.worker.name, "")) for f in failures
+        ]
+        _count_in_place(p, max((n for n in agents_said if n is not None), default=0), None)
         restarts = int(p.status.get("restarts") or 0)
         if counted and restarts + 1 > job.max_restarts:
             p.status["restarts"] = restarts + 1
@@ -973,8 +980,9 @@ def _converge_pods(p: _Pass, workers: Sequence[Worker], current: Sequence[Worker
     p.more = len(missing) > max(0, budget)
     for rank in missing[: max(0, budget)]:
         manifest = manifests.worker_pod(
-            job, rank, size, generation, p.settings.workers, avoid_nodes=sorted(p.silent)
-        )
+            job, rank, size, generation, p.settings.workers, avoid_nodes=sorted(p.silent),
+            restarts_left=job.max_restarts - int(p.status.get("restarts") or 0),
+        )  # fmt: skip
         p.actions.append(CreatePod(manifest))
 
     running = [w for w in current if w.phase == "Running" and not w.deleting]
@@ -1045,6 +1053,29 @@ def _read_metrics(p: _Pass) -> None:
         p.status["lastCheckpoint"] = {"step": progress.checkpoint_step, "time": to_rfc3339(moment)}
     if progress.checkpoint_failures is not None:
         _track_checkpoint_writes(p, progress.checkpoint_failures)
+    if progress.in_place_restarts is not None:
+        _count_in_place(p, progress.in_place_restarts, progress.restart_cause)
+
+
+def _count_in_place(p: _Pass, seen: int, cause: str | None) -> None:
+    """Restarts in place of the current generation (elastic.restartInPlace): those not counted yet
+    go into status.restarts, with a Warning event. `seen` comes from rank 0's metrics, or from the
+    last line of a failed pod's agent (which rank 0's metrics may not have shown yet)."""
+    counted = int(p.status.get("inPlaceRestarts") or 0)
+    if seen <= counted:
+        return
+    restarts = int(p.status.get("restarts") or 0) + seen - counted
+    p.status["restarts"] = restarts
+    p.status["inPlaceRestarts"] = seen
+    for _ in range(seen - counted):
+        p.actions.append(CountRestart("InPlace"))
+    why = f": {cause}" if cause else ""
+    p.event(
+        "RestartedInPlace",
+        f"generation {p.status.get('generation')}: the gang restarted in place ({seen} in this generation, "
+        f"{restarts} restarts in all){why}",
+        warning=True,
+    )
 
 
 def _track_checkpoint_writes(p: _Pass, failures: int) -> None:

@@ -30,6 +30,13 @@ class TrainerMetrics:
         self.world_size = Gauge(contract.METRIC_WORLD_SIZE, "processes in the gang", registry=r)
         self.generation = Gauge(contract.METRIC_GENERATION, "gang generation (DTJOB_GENERATION)", registry=r)
         self.rank = Gauge("dtjob_trainer_rank", "this process's rank", registry=r)
+        self.in_place_restarts = Gauge(
+            contract.METRIC_IN_PLACE_RESTARTS,
+            "restarts in place of the gang in this generation before this process started "
+            "(DTJOB_IN_PLACE_RESTARTS); cause: what failed before the last one",
+            ("cause",),
+            registry=r,
+        )
         self.last_checkpoint_step = Gauge(
             contract.METRIC_LAST_CHECKPOINT_STEP,
             "step of the newest checkpoint written or loaded",

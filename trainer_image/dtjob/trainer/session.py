@@ -135,6 +135,10 @@ class ElasticSession:
         self.metrics.world_size.set(g.world_size)
         self.metrics.generation.set(g.generation)
         self.metrics.rank.set(g.rank)
+        # Restarts in place of this generation before this process (dtjob.launcher's agents).
+        self.in_place_restarts = int(os.environ.get(contract.ENV_IN_PLACE_RESTARTS) or 0)
+        cause = os.environ.get(contract.ENV_RESTART_CAUSE) or ""
+        self.metrics.in_place_restarts.labels(cause).set(self.in_place_restarts)
         if port:
             try:
                 self.metrics.serve(port + g.local_rank)
@@ -363,6 +367,7 @@ class ElasticSession:
             "loss": value,
             "world_size": self.world_size,
             "generation": self.generation,
+            "in_place_restarts": self.in_place_restarts,
             "step_seconds": round(seconds, 6),
         }
         if self.sampler is not None:

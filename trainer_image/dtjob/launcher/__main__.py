@@ -1,0 +1,5 @@
+import sys
+
+from dtjob.launcher.agent import main
+
+sys.exit(main())

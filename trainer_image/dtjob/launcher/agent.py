@@ -1,0 +1,338 @@
+"""The pod's agent: runs the trainer processes, and restarts the gang in place with the others.
+
+`python -m dtjob.launcher -- COMMAND...` (the operator's command for a pod of several processes,
+or with restarts in place) runs LOCAL_WORLD_SIZE copies of COMMAND (dtjob.launcher.local) and:
+
+- passes SIGTERM/SIGINT to them: each checkpoints with its gang and exits 75, and so does the pod;
+- exits 0 when all exited 0;
+- when one fails (any other exit), and DTJOB_AGENT_PORT is set: kills its siblings at once and
+  reports the failure to the coordinator (dtjob.launcher.coordinator, served by pod 0's agent).
+  When every pod's agent is there and restarts are left (DTJOB_RESTARTS_LEFT), every agent kills
+  its trainers and starts the next round's, from the warm standbys, with
+  DTJOB_IN_PLACE_RESTARTS = the round and DTJOB_RESTART_CAUSE = what failed. The pods stay.
+- otherwise (no agent port, a permanent exit code of DTJOB_PERMANENT_EXIT_CODES, no restarts
+  left, a pod missing or being deleted, the coordinator unreachable): stops its siblings (SIGTERM,
+  SIGKILL after a grace) and exits with the failed process's status (128 + N for signal N, as a
+  shell reports it), after its last line `contract.in_place_line(...)`: the operator then restarts
+  the gang in new pods, and reads from that line how many restarts in place it made.
+
+Standard library only: the agent starts in milliseconds and never imports torch (its standbys do).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any
+
+from dtjob import contract
+from dtjob.launcher.coordinator import (
+    BEAT_SECONDS,
+    BEAT_TIMEOUT_SECONDS,
+    STOP_TIMEOUT_SECONDS,
+    Coordinator,
+    describe_code,
+)
+from dtjob.launcher.local import POLL_SECONDS, LocalProcesses
+
+# How often an agent tries to reach the coordinator until it does (pod 0 may start after it).
+CONNECT_RETRY_SECONDS = 0.1
+# How long a failed pod waits for the coordinator's answer: a stop has this long to complete.
+ANSWER_TIMEOUT_SECONDS = STOP_TIMEOUT_SECONDS + 5.0
+NOT_FAILURES = (contract.EXIT_OK, contract.EXIT_STOPPED)  # done, or stopped after a checkpoint
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    """What the pod's environment says (dtjob.contract)."""
+
+    nproc: int
+    pod: int
+    pods: int
+    master_addr: str
+    agent_port: int | None  # None: no restarts in place
+    restarts_left: int
+    permanent_codes: frozenset[int]
+    job_uid: str = ""  # DTJOB_JOB_UID: which gang an agent's hello is for
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> AgentSettings:
+        def number(name: str, default: int) -> int:
+            raw = env.get(name) or ""
+            try:
+                return int(raw) if raw else default
+            except ValueError:
+                raise ValueError(f"{name}={raw!r} is not an integer") from None
+
+        nproc = number(contract.ENV_LOCAL_WORLD_SIZE, 1)
+        pods = number(contract.ENV_PODS, max(1, number(contract.ENV_WORLD_SIZE, nproc) // max(1, nproc)))
+        port = number(contract.ENV_AGENT_PORT, 0)
+        codes = env.get(contract.ENV_PERMANENT_EXIT_CODES) or ""
+        try:
+            permanent = frozenset(int(c) for c in codes.split(",") if c.strip())
+        except ValueError:
+            name = contract.ENV_PERMANENT_EXIT_CODES
+            raise ValueError(f"{name}={codes!r} is not a comma list of integers") from None
+        return cls(
+            nproc=nproc,
+            pod=number(contract.ENV_POD_RANK, number(contract.ENV_RANK, 0) // max(1, nproc)),
+            pods=pods,
+            master_addr=env.get(contract.ENV_MASTER_ADDR) or "127.0.0.1",
+            agent_port=port or None,
+            restarts_left=number(contract.ENV_RESTARTS_LEFT, 0),
+            permanent_codes=permanent,
+            job_uid=env.get(contract.ENV_JOB_UID) or "",
+        )
+
+
+class Link:
+    """This agent's connection to the coordinator: connects in the background (until it does),
+    beats every BEAT_SECONDS, and puts what the coordinator says into `inbox` (None when the
+    connection is lost)."""
+
+    def __init__(self, host: str, port: int, pod: int, job_uid: str = "") -> None:
+        self.host, self.port, self.pod, self.job_uid = host, port, pod, job_uid
+        self.inbox: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self._sock: socket.socket | None = None
+        # Reentrant: the SIGTERM handler sends too, on the main thread, maybe inside a send.
+        self._lock = threading.RLock()
+        self._closed = threading.Event()
+        self.heard_at = float("-inf")  # monotonic time of the coordinator's last message
+
+    @property
+    def answering(self) -> bool:
+        """Connected, and the coordinator said something (a beat's ack) within BEAT_TIMEOUT_SECONDS:
+        a frozen pod 0 takes no one's failure for a restart in place."""
+        return self._sock is not None and time.monotonic() - self.heard_at <= BEAT_TIMEOUT_SECONDS
+
+    def start(self) -> None:
+        threading.Thread(target=self._run, name="dtjob-agent-link", daemon=True).start()
+
+    def send(self, message: dict[str, Any]) -> bool:
+        with self._lock:
+            if self._sock is None:
+                return False
+            try:
+                self._sock.sendall((json.dumps(message) + "\n").encode())
+                return True
+            except OSError:
+                return False
+
+    def close(self) -> None:
+        self._closed.set()
+        with self._lock:
+            if self._sock is not None:
+                with contextlib.suppress(OSError):
+                    self._sock.close()
+
+    def _run(self) -> None:
+        sock = None
+        while sock is None and not self._closed.is_set():
+            try:
+                sock = socket.create_connection((self.host, self.port), timeout=1.0)
+            except OSError:
+                time.sleep(CONNECT_RETRY_SECONDS)
+        if sock is None:
+            return
+        sock.settimeout(None)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with self._lock:
+            self._sock = sock
+        self.heard_at = time.monotonic()
+        self.send({"hello": self.pod, "job": self.job_uid})
+        threading.Thread(target=self._beat, name="dtjob-agent-beat", daemon=True).start()
+        try:
+            for line in sock.makefile("r", encoding="utf-8"):
+                self.heard_at = time.monotonic()
+                message = json.loads(line)
+                if "ack" not in message:
+                    self.inbox.put(message)
+        except (OSError, ValueError):
+            pass
+        with self._lock:
+            self._sock = None
+        self.inbox.put(None)
+
+    def _beat(self) -> None:
+        while not self._closed.wait(BEAT_SECONDS) and self.send({"beat": self.pod}):
+            pass
+
+
+class Agent:
+    def __init__(self, command: Sequence[str], environ: Mapping[str, str], settings: AgentSettings) -> None:
+        self.settings = settings
+        in_place = settings.agent_port is not None
+        self.local = LocalProcesses(command, environ, settings.nproc, warm=in_place)
+        self.coordinator: Coordinator | None = None
+        self.link: Link | None = None
+        if in_place and settings.agent_port is not None:
+            if settings.pod == 0:
+                try:
+                    self.coordinator = Coordinator(
+                        settings.agent_port, settings.pods, settings.restarts_left, settings.job_uid
+                    )
+                    self.coordinator.start()
+                except OSError as err:  # the trainers still run; their failures go to the operator
+                    self._say(f"cannot listen on {contract.ENV_AGENT_PORT}={settings.agent_port}: {err}; "
+                              "no restarts in place")  # fmt: skip
+            host = "127.0.0.1" if settings.pod == 0 else settings.master_addr
+            self.link = Link(host, settings.agent_port, settings.pod, settings.job_uid)
+            self.link.start()
+        self.round = 0
+        self.terminating = False
+
+    # signals -----------------------------------------------------------------------------
+    def on_signal(self, signum: int, _frame: FrameType | None) -> None:
+        if not self.terminating and self.link is not None:
+            self.link.send({"terminating": self.settings.pod})
+        self.terminating = True
+        self.local.signal(signum)
+
+    # the loop ----------------------------------------------------------------------------
+    def run(self) -> int:
+        self.local.start({})
+        try:
+            while True:
+                code = self._watch()
+                if code is not None:
+                    return code
+        finally:
+            self.local.close()
+            if self.link is not None:
+                self.link.close()
+
+    def _watch(self) -> int | None:
+        """One look at the trainers and the coordinator; the pod's exit status when it is done."""
+        message = self._next_message(POLL_SECONDS)
+        if message is not None and "stop" in message:
+            return self._restart(int(message["stop"]), str(message.get("cause", "")))
+        if not self.terminating:
+            self.local.refill()
+        codes = self.local.poll()
+        failed = next(((i, c) for i, c in enumerate(codes) if c is not None and c not in NOT_FAILURES), None)
+        if failed is not None:
+            return self._failed(*failed)
+        if all(c is not None for c in codes):
+            return contract.EXIT_STOPPED if contract.EXIT_STOPPED in codes else contract.EXIT_OK
+        return None
+
+    def _next_message(self, timeout: float) -> dict[str, Any] | None:
+        if self.link is None:
+            time.sleep(timeout)
+            return None
+        try:
+            message = self.link.inbox.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        return message if message is not None else {}
+
+    def _failed(self, local_rank: int, code: int) -> int | None:
+        """A trainer of this pod failed: restart in place if the coordinator says so, else leave."""
+        rank = self.settings.pod * self.settings.nproc + local_rank
+        what = f"local rank {local_rank} (rank {rank}) exited {describe_code(code)}"
+        reason = self._why_not_in_place(code)
+        if reason is None and self.link is not None:
+            self.local.kill()  # its peers are lost without it; they must not wait in a collective
+            self.link.send({"failed": self.settings.pod, "round": self.round, "rank": rank, "code": code})
+            deadline = time.monotonic() + ANSWER_TIMEOUT_SECONDS
+            while time.monotonic() < deadline:
+                answer = self._next_message(min(0.1, max(0.0, deadline - time.monotonic())))
+                if answer is None and not self.link.answering:
+                    reason = "the coordinator stopped answering"
+                    break
+                if answer is None:
+                    continue
+                if "stop" in answer and int(answer["stop"]) == self.round:
+                    return self._restart(self.round, str(answer.get("cause", "")))
+                if "give_up" in answer or not answer:
+                    reason = str(answer.get("reason", "the coordinator is gone"))
+                    break
+            else:
+                reason = f"no answer from the coordinator within {ANSWER_TIMEOUT_SECONDS:g}s"
+        self._say(f"{what}; {reason or 'no restarts in place'}: stopping the others")
+        self.local.stop()
+        return self._leave(code)
+
+    def _why_not_in_place(self, code: int) -> str | None:
+        s = self.settings
+        if s.agent_port is None:
+            return "restarts in place are off"
+        if self.terminating:
+            return "the pod is being deleted"
+        if code in s.permanent_codes:
+            return f"exit code {code} is permanent (elastic.permanentExitCodes)"
+        if code == contract.EXIT_STALE_GENERATION:
+            return "a stale generation is the operator's to replace"
+        if self.round >= s.restarts_left:
+            return f"no restarts left ({self.round} in place; elastic.maxRestarts)"
+        if self.link is None or not self.link.answering:
+            return "the coordinator (pod 0's agent) is not answering"
+        return None
+
+    def _restart(self, round_: int, cause: str) -> int | None:
+        """Kill this round's trainers, tell the coordinator, and start the next round when it says."""
+        self.local.kill()
+        assert self.link is not None
+        self.link.send({"stopped": self.settings.pod, "round": round_})
+        deadline = time.monotonic() + ANSWER_TIMEOUT_SECONDS
+        while time.monotonic() < deadline:
+            if self.terminating:
+                return 128 + signal.SIGTERM
+            answer = self._next_message(min(0.1, max(0.0, deadline - time.monotonic())))
+            if answer is None and not self.link.answering:
+                answer = {"give_up": round_, "reason": "the coordinator stopped answering"}
+            if answer is None:
+                continue
+            if "start" in answer:
+                self.round = int(answer["start"])
+                cause = str(answer.get("cause", cause))
+                env = {contract.ENV_IN_PLACE_RESTARTS: str(self.round), contract.ENV_RESTART_CAUSE: cause}
+                warm = self.local.start(env)
+                self._say(f"restart in place {self.round}: {cause} ({warm} of {self.settings.nproc} "
+                          "trainers from warm standbys)")  # fmt: skip
+                return None
+            if "give_up" in answer or not answer:
+                why = str(answer.get("reason", "the coordinator is gone"))
+                self._say(f"the restart in place failed: {why}")
+                return self._leave(contract.EXIT_FAILURE)
+        self._say(f"the restart in place failed: no start within {ANSWER_TIMEOUT_SECONDS:g}s")
+        return self._leave(contract.EXIT_FAILURE)
+
+    def _leave(self, code: int) -> int:
+        if self.settings.agent_port is not None:
+            self._say(contract.in_place_line(self.round))
+        return code
+
+    def _say(self, text: str) -> None:
+        print(f"dtjob-launcher[pod {self.settings.pod}]: {text}", file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["--"]:
+        args = args[1:]
+    if not args:
+        print("usage: python -m dtjob.launcher -- COMMAND [ARGS...]", file=sys.stderr)
+        return contract.EXIT_CONFIG_ERROR
+    try:
+        settings = AgentSettings.from_env(os.environ)
+    except ValueError as err:
+        print(f"dtjob-launcher: error: {err}", file=sys.stderr)
+        return contract.EXIT_CONFIG_ERROR
+    if settings.nproc < 1:
+        print(f"dtjob-launcher: error: LOCAL_WORLD_SIZE={settings.nproc} must be at least 1", file=sys.stderr)
+        return contract.EXIT_CONFIG_ERROR
+    agent = Agent(args, dict(os.environ), settings)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, agent.on_signal)
+    return agent.run()
