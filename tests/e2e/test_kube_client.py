@@ -21,12 +21,13 @@ from kubernetes import config
 
 from dtjob.operator.actions import CreatePod, CreateService, DeletePod, EmitEvent, PatchStatus
 from dtjob.operator.jobview import JobView
-from dtjob.operator.kube import ActionFailed, Kube
+from dtjob.operator.kube import Kube
 from dtjob.operator.manifests import headless_service, worker_pod
 from dtjob.operator.metrics import OperatorMetrics
 from dtjob.operator.passes import JobPassRunner
 from dtjob.operator.settings import ObserverSettings, OperatorSettings, RetrySettings
 from dtjob.operator.worker_defaults import WorkerDefaults
+from dtjob.operator.writer import ActionFailed, JobChanged
 from tests.e2e.conftest import Devcluster, kubectl, kubectl_json, wait_for
 from tests.e2e.operator_harness import ensure_crd
 
@@ -107,6 +108,22 @@ def test_observe_and_execute_on_a_real_api_server(namespace: str) -> None:
     wait_for("the pod to go", lambda: not kube.observe(job).pods, timeout=30)
 
 
+def test_a_status_patch_over_an_old_version_goes_through_kopfs_bookkeeping_only(namespace: str) -> None:
+    """The patch carries the resourceVersion the pass read: a job annotated (kopf's bookkeeping)
+    since then takes it over the new version, a job whose spec changed refuses it."""
+    kube = Kube(OperatorMetrics(), ObserverSettings())
+    job = make_job(namespace, "stale")
+    kubectl("annotate", "dtj", "stale", "-n", namespace, "kopf.zalando.org/touched=yes", check=True)
+    kube.execute(job, [PatchStatus({"phase": "Pending"})])
+    assert kubectl_json("get", "dtj", "stale", "-n", namespace)["status"]["phase"] == "Pending"
+    job = kube.get_job(namespace, "stale", fresh=True) or {}
+    scale = '{"spec":{"replicas":2}}'
+    kubectl("patch", "dtj", "stale", "-n", namespace, "--type=merge", "-p", scale, check=True)
+    with pytest.raises(JobChanged):
+        kube.execute(job, [PatchStatus({"phase": "Running"})])
+    assert kubectl_json("get", "dtj", "stale", "-n", namespace)["status"]["phase"] == "Pending"
+
+
 def test_observe_reads_the_leases_of_silent_nodes_only(namespace: str) -> None:
     """Observed.leases: the node Leases of status.silentNodes, as the kubelet renews them (the
     nodelet every 4 s); a node without a Lease is left out, and no other node's is read."""
@@ -166,7 +183,10 @@ def test_a_failing_pass_is_reported_retried_with_backoff_and_recovers(namespace:
     make_job(namespace, "backoff")
     try:
         started = time.monotonic()
-        runner.trigger(namespace, "backoff")
+        runner.trigger(namespace, "backoff")  # the pass hands its writes over and returns
+        # The pod creation fails after its pass; the next pass reports it and backs off.
+        wait_for("the failed creation", lambda: runner.failing_attempts(namespace, "backoff") > 0,
+                 timeout=30, interval=0.01)  # fmt: skip
         reported = time.monotonic() - started
         assert runner.failing_attempts(namespace, "backoff") == 1
         triggered = 0
@@ -174,6 +194,7 @@ def test_a_failing_pass_is_reported_retried_with_backoff_and_recovers(namespace:
             runner.trigger(namespace, "backoff")  # waits for the scheduled retry: no pass
             triggered += 1
         assert triggered > 0 and runner.failing_attempts(namespace, "backoff") == 1
+        wait_for("the report on the job", lambda: "Reconciled" in conditions(namespace, "backoff"))
         reconciled = conditions(namespace, "backoff")["Reconciled"]
         assert (reconciled["status"], reconciled["reason"]) == ("False", "ActionFailed")
         assert "creating pod backoff-worker-0: 403 Forbidden" in reconciled["message"]
@@ -190,6 +211,7 @@ def test_a_failing_pass_is_reported_retried_with_backoff_and_recovers(namespace:
     wait_for(
         "the retry to create the pod", lambda: runner.failing_attempts(namespace, "backoff") == 0, timeout=30
     )
+    wait_for("Recovered", lambda: conditions(namespace, "backoff")["Reconciled"]["status"] == "True")
     reconciled = conditions(namespace, "backoff")["Reconciled"]
     assert (reconciled["status"], reconciled["reason"]) == ("True", "Reconciled")
     assert kubectl("get", "pod", "backoff-worker-0", "-n", namespace).returncode == 0

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import copy
+import time
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from dtjob.operator.actions import Action, CreatePod, DeletePod, EmitEvent, PatchStatus
+from dtjob.operator.expectations import Expectations, overlay
 from dtjob.operator.reconciler import Observed, reconcile, to_rfc3339
 from dtjob.operator.settings import ReconcilerSettings
 
@@ -206,3 +209,22 @@ def events(actions: list[Action]) -> list[EmitEvent]:
 def env_of(pod: dict[str, Any]) -> dict[str, str]:
     trainer = next(c for c in pod["spec"]["containers"] if c["name"] == "trainer")
     return {e["name"]: e["value"] for e in trainer["env"]}
+
+
+def seen_through(
+    job: dict[str, Any], cached: list[dict[str, Any]], expectations: Expectations, nodes: list[dict[str, Any]]
+) -> Observed:
+    """What a pass observes now of the job "ml/gpt": the cached pods through the writes in flight."""
+    now = datetime.now(UTC)
+    expected = expectations.pending(("ml", "gpt"))
+    in_flight = sum(len(writes) for writes in expected.values())
+    pods = overlay(cached, expected, now)
+    return Observed(job=job, pods=pods, nodes=nodes, now=now, pod_writes_in_flight=in_flight)
+
+
+def settle(condition: Callable[[], bool], timeout: float = 10) -> None:
+    """Waits for the pass runner's threads to make `condition` true."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import pytest
@@ -120,6 +121,48 @@ def test_never_two_runs_of_one_key_at_once_and_the_last_trigger_is_answered() ->
     assert overlap == []
     for key in ("a", "b"):
         assert last_start[key] >= last_trigger[key], f"the last trigger of {key} got no run after it"
+
+
+def test_a_run_held_by_its_future_keeps_the_key_until_it_resolves_then_answers_the_triggers() -> None:
+    held: list[Future[None]] = []
+    runs: list[str] = []
+
+    def work(key: str) -> Future[None] | None:
+        runs.append(threading.current_thread().name)
+        if len(runs) > 1:
+            return None
+        held.append(Future())
+        return held[0]
+
+    spawned: list[Callable[[], None]] = []
+    coalescer: Coalescer[str] = Coalescer(work, spawn=spawned.append)
+    coalescer.trigger("a")  # returns while its writes are in flight
+    assert len(runs) == 1 and not spawned
+    coalescer.trigger("a")
+    coalescer.trigger("a")
+    assert len(runs) == 1, "no second run while the first one's future is unresolved"
+    held[0].set_result(None)
+    assert len(spawned) == 1 and len(runs) == 1, "the next run starts through spawn, not in the resolver"
+    spawned[0]()
+    assert len(runs) == 2, "the triggers meanwhile are one more run"
+    coalescer.trigger("a")
+    assert len(runs) == 3, "the key is free again: the trigger runs in its own thread"
+
+
+def test_a_held_run_without_triggers_meanwhile_frees_the_key() -> None:
+    future: Future[None] = Future()
+    runs = 0
+
+    def work(key: str) -> Future[None] | None:
+        nonlocal runs
+        runs += 1
+        return future if runs == 1 else None
+
+    coalescer: Coalescer[str] = Coalescer(work, spawn=lambda fn: pytest.fail("nothing to run again"))
+    coalescer.trigger("a")
+    future.set_result(None)
+    coalescer.trigger("a")
+    assert runs == 2
 
 
 def test_an_exception_leaves_the_key_free_for_the_next_trigger() -> None:

@@ -5,18 +5,25 @@ changes is one pass, and a pass that read an old version of its job decides agai
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
-from dtjob.operator.actions import PatchStatus
+import pytest
+
+from dtjob.operator import manifests
+from dtjob.operator.actions import DeletePod, PatchStatus
 from dtjob.operator.capacity import node_admits, workers_that_fit
-from dtjob.operator.kube import JobChanged
+from dtjob.operator.expectations import overlay
+from dtjob.operator.jobview import JobView
 from dtjob.operator.metrics import OperatorMetrics
 from dtjob.operator.passes import JobPassRunner
-from dtjob.operator.reconciler import Observed, plan, reconcile
+from dtjob.operator.reconciler import Observed, Worker, plan, reconcile
 from dtjob.operator.settings import OperatorSettings, ReconcilerSettings
+from dtjob.operator.writer import JobChanged, JobWriter, Outcome
 from tests.unit.reconciler_fixtures import (
     at,
     creates,
@@ -28,6 +35,8 @@ from tests.unit.reconciler_fixtures import (
     make_pod,
     run,
     running_status,
+    seen_through,
+    settle,
     status_patch,
 )
 
@@ -145,13 +154,14 @@ def test_watches_trigger_passes_only_for_jobs_kopf_handed_over_lately() -> None:
 
 class PlainKube:
     """A job that is there, on one node, and whose first `conflicts` status patches are refused
-    (it changed after the pass read it)."""
+    (it changed after the pass read it). Its passes' actions go through the operator's writer."""
 
     def __init__(self, conflicts: int = 0) -> None:
-        self.executed: list[list[Any]] = []
+        self.executed: list[list[Any]] = []  # the actions of each pass whose status patch went through
         self.conflicts = conflicts
         self.passes: list[str] = []
         self.done = threading.Semaphore(0)
+        self.writer = JobWriter(self._head, self._pod, lambda job, event: None, 2, 4)
 
     def get_job(self, namespace: str, name: str, fresh: bool = False) -> dict[str, Any]:
         self.passes.append(name)
@@ -161,18 +171,32 @@ class PlainKube:
     def observe(self, job: dict[str, Any]) -> Observed:
         return Observed(job=job, pods=[], nodes=[make_node("n1", cpu="8")], now=datetime.now(UTC))
 
-    def execute(self, job: dict[str, Any], actions: list[Any]) -> None:
-        if self.conflicts:
+    def submit(self, job: dict[str, Any], actions: list[Any], on_head: Outcome, on_done: Outcome) -> Any:
+        def recorded(error: Exception | None) -> None:
+            if error is None:
+                self.executed.append(actions)
+            on_head(error)
+
+        return self.writer.submit(job, actions, recorded, on_done)
+
+    def when_drained(self, job: tuple[str, str], at_most: int, fn: Callable[[], object]) -> None:
+        self.writer.when_drained(job, at_most, fn)
+
+    def _head(self, job: JobView, action: Any) -> None:
+        if isinstance(action, PatchStatus) and self.conflicts:
             self.conflicts -= 1
             raise JobChanged("ns/gpt changed since the pass read it")
-        self.executed.append(actions)
+
+    def _pod(self, namespace: str, write: Any) -> None:
+        pass
 
 
 def test_a_pass_whose_job_changed_before_its_status_patch_decides_again_without_an_error() -> None:
     kube = PlainKube(conflicts=1)
     runner = JobPassRunner(kube, OperatorMetrics(), OperatorSettings())  # type: ignore[arg-type]
     runner.trigger("ns", "gpt")
-    assert len(kube.executed) == 1, "the pass ran again at once"
+    settle(lambda: len(kube.executed) == 1)
+    assert kube.passes == ["gpt", "gpt"], "the pass ran again at once"
     assert isinstance(kube.executed[0][0], PatchStatus) and kube.executed[0][0].status["phase"] == "Pending"
     assert runner.failing_attempts("ns", "gpt") == 0, "a changed job is no error"
 
@@ -217,11 +241,10 @@ class RememberingKube(PlainKube):
         super().get_job(namespace, name, fresh)
         return self.job
 
-    def execute(self, job: dict[str, Any], actions: list[Any]) -> None:
-        super().execute(job, actions)
-        for action in actions:
-            if isinstance(action, PatchStatus):
-                self.job = {**self.job, "status": {**(self.job.get("status") or {}), **action.status}}
+    def _head(self, job: JobView, action: Any) -> None:
+        super()._head(job, action)
+        if isinstance(action, PatchStatus):
+            self.job = {**self.job, "status": {**(self.job.get("status") or {}), **action.status}}
 
 
 def test_a_tick_runs_a_pass_only_when_one_is_due() -> None:
@@ -231,6 +254,7 @@ def test_a_tick_runs_a_pass_only_when_one_is_due() -> None:
     runner = JobPassRunner(kube, OperatorMetrics(), settings, clock=lambda: now[0])  # type: ignore[arg-type]
     runner.tick("ns", "gpt")
     assert kube.done.acquire(timeout=5), "a job without a pass yet gets one at its first tick"
+    settle(lambda: len(kube.executed) == 1)  # its status patch answered: the pass is over
     for t in (5.0, 10.0, 55.0):  # waiting for its workers: only their pods' events change that
         now[0] = t
         runner.tick("ns", "gpt")
@@ -247,6 +271,7 @@ def test_a_deadline_the_last_pass_named_gets_a_pass_of_its_own_when_it_falls_due
     runner.trigger("ns", "gpt")  # starts the job: startTime now (to the second), deadline 1 s later
     assert kube.done.acquire(timeout=5)
     assert kube.done.acquire(timeout=5), "no pass at the deadline, though nothing else would come"
+    settle(lambda: len(kube.executed) == 2)  # the pass at the deadline wrote its status
     phase = (kube.job.get("status") or {}).get("phase")
     assert phase == "Failed", f"the pass at the deadline failed the job: {phase}"
     assert not kube.done.acquire(timeout=1.5), "a failed job without a TTL wants no more passes"
@@ -278,25 +303,59 @@ def test_a_big_gang_is_created_and_deleted_a_bounded_number_of_pods_per_pass() -
 
 
 class PodsKube(RememberingKube):
-    """RememberingKube whose pod creations show at once, as the cache's assumed answers do."""
+    """RememberingKube whose pod creations show once answered, as the cache's assumed answers
+    do, and before as the writer's expectations."""
 
     def __init__(self) -> None:
         super().__init__()
         self.pods: list[dict[str, Any]] = []
 
     def observe(self, job: dict[str, Any]) -> Observed:
-        return Observed(job=job, pods=self.pods, nodes=[make_node("n1", cpu="8")], now=datetime.now(UTC))
+        return seen_through(job, list(self.pods), self.writer.expectations, [make_node("n1", cpu="8")])
 
-    def execute(self, job: dict[str, Any], actions: list[Any]) -> None:
-        super().execute(job, actions)
-        for c in creates(actions):
-            self.pods.append(make_pod(int(env_of(c.manifest)["RANK"]), phase="Pending", node=None))
+    def _pod(self, namespace: str, write: Any) -> None:
+        self.pods.append(make_pod(int(env_of(write.manifest)["RANK"]), phase="Pending", node=None))
 
 
 def test_a_pass_that_left_pod_writes_over_is_followed_by_the_next_at_once() -> None:
     kube = PodsKube()
     settings = OperatorSettings(trigger_delay_seconds=0, reconciler=ReconcilerSettings(pod_writes_per_pass=1))
     runner = JobPassRunner(kube, OperatorMetrics(), settings)  # type: ignore[arg-type]
-    runner.trigger("ns", "gpt")  # one trigger: the passes run one after the other, in this thread
+    runner.trigger("ml", "gpt")  # one trigger: the next pass follows on the runner's threads
+    settle(lambda: len(kube.pods) == 2)
     assert [len(creates(a)) for a in kube.executed] == [1, 1], kube.executed
     assert sorted(env_of(c.manifest)["RANK"] for a in kube.executed for c in creates(a)) == ["0", "1"]
+
+
+def test_a_pass_builds_only_the_pod_manifests_it_sends(monkeypatch: pytest.MonkeyPatch) -> None:
+    built: list[int] = []
+    worker_pod = manifests.worker_pod
+
+    def counted(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        built.append(args[1])
+        return worker_pod(*args, **kwargs)
+
+    monkeypatch.setattr(manifests, "worker_pod", counted)
+    settings = ReconcilerSettings(pod_writes_per_pass=96)
+    job = make_job(replicas=1024, min_replicas=1, max_replicas=1024, cpu="100m")
+    nodes = [make_node(f"n{i}", cpu="64") for i in range(4)]
+    started = status_patch(reconcile(Observed(job=job, pods=[], nodes=nodes, now=at(0)), settings))
+    built.clear()  # the first pass creates generation 0's first pods already
+    decided = plan(Observed(job={**job, "status": started}, pods=[], nodes=nodes, now=at(1)), settings)
+    assert len(creates(decided.actions)) == 96 and decided.more
+    assert built == list(range(96)), "1,024 manifests built for 96 creations"
+
+
+def test_a_versioned_pod_is_parsed_once_and_its_deletion_in_flight_is_seen() -> None:
+    pod = make_pod(3, phase="Running", node="n1")
+    pod["metadata"].update(uid="u-3", resourceVersion="41")
+    first = Worker.of(pod)
+    assert Worker.of(copy.deepcopy(pod)) is first, "parsed once per resourceVersion"
+    [deleting] = overlay([pod], {"gpt-worker-3": [DeletePod("gpt-worker-3", "x", grace_seconds=1)]}, at(5))
+    assert Worker.of(deleting).deleting and not first.deleting
+    newer = copy.deepcopy(pod)
+    newer["metadata"]["resourceVersion"] = "42"
+    newer["status"]["phase"] = "Failed"
+    assert Worker.of(newer).phase == "Failed"
+    unversioned = make_pod(3, phase="Pending", node=None)
+    assert Worker.of(unversioned) is not Worker.of(unversioned), "no version: parsed each time"

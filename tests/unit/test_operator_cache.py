@@ -224,6 +224,8 @@ def test_the_job_a_pass_reads_holds_the_status_the_operator_wrote_and_its_echo_t
     assert cache.job("ns", "gpt") is None, "not listed yet: the pass reads the job from the API server"
     jobs._replace([job(1)], 1)
     assert cache.job("ns", "gpt") == job(1)
+    jobs._apply("ADDED", {**job(2), "metadata": {**job(2)["metadata"], "name": "new"}})
+    assert fired == [], "a new job's first pass comes from kopf's event, after its finalizer"
     cache.assume_job(job(5, status={"generation": 1}))  # the response of a status patch
     jobs._apply("MODIFIED", job(4, status={}))  # the watch lags
     jobs._apply("MODIFIED", job(5, status={"generation": 1}))  # the watch's echo of the patch

@@ -11,8 +11,8 @@ from kubernetes.client.rest import ApiException
 from pydantic import TypeAdapter, ValidationError
 
 from dtjob.operator.actions import CreatePod, DeletePod, PatchStatus
-from dtjob.operator.kube import ActionFailed
 from dtjob.operator.passes import MESSAGE_LIMIT, _short, describe_error
+from dtjob.operator.writer import ActionFailed
 
 
 def refused_by_the_client(manifest: dict[str, Any]) -> ValidationError:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dtjob.operator.handlers import needs_timer
+from dtjob.operator.jobview import FINALIZER, finalized
 from dtjob.operator.main import parse_args
 
 
@@ -36,3 +37,9 @@ def test_timer_skips_only_jobs_that_time_cannot_change() -> None:
     assert not needs_timer("Suspended", {})
     assert not needs_timer("Succeeded", {"runPolicy": {}})
     assert needs_timer("Failed", {"runPolicy": {"ttlSecondsAfterFinished": 60}})
+
+
+def test_a_job_gets_its_first_pass_from_kopfs_event_once_kopf_put_its_finalizer_on_it() -> None:
+    assert not finalized({"name": "gpt"}), "kopf's first event comes before its finalizer patch"
+    assert finalized({"finalizers": ["other", FINALIZER]})
+    assert finalized({"deletionTimestamp": "2026-01-01T00:00:00Z"}), "a job being deleted"

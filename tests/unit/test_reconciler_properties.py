@@ -180,8 +180,10 @@ def test_nothing_changes_before_the_wake(obs: Observed, fraction: float) -> None
     horizon = 1000.0 if first.wake_at is None else (first.wake_at - obs.now).total_seconds()
     assert horizon > 0, f"a wake at {first.wake_at}, not after now {obs.now}"
     event("wakes" if first.wake_at is not None else "no wake")
-    # Whole microseconds, rounded down: a datetime holds no less, and rounding up could reach the wake.
-    later = dataclasses.replace(obs, now=obs.now + timedelta(microseconds=int(horizon * fraction * 1e6)))
+    # Whole microseconds, rounded down: a datetime holds no less, and rounding up could reach the wake
+    # (as the float product can: 268.831131 s x 0.9999999999999998 made 268831131 us, the wake).
+    micros = min(int(horizon * fraction * 1e6), round(horizon * 1e6) - 1)
+    later = dataclasses.replace(obs, now=obs.now + timedelta(microseconds=micros))
     assert _decision(plan(later, SETTINGS).actions, later.now) == _decision(first.actions, obs.now), (
         f"the decision changed {horizon * fraction:.3f}s after now, before the wake at {first.wake_at}"
     )

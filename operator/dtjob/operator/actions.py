@@ -1,10 +1,10 @@
 """What the reconciler asks the pass runner to do: small immutable records, executed in order.
 
-The reconciler never talks to the API server; it returns a list of these, and `Kube.execute`
-(dtjob.operator.kube) carries them out for the pass runner (dtjob.operator.passes). A PatchStatus
-always comes first, so a decision (a new generation, a new world size) is recorded before any pod
-is deleted or created: an operator killed half-way through the list picks the same decision up
-again from the status.
+The reconciler never talks to the API server; it returns a list of these, and the writer
+(dtjob.operator.writer) carries them out for the pass runner (dtjob.operator.passes). A
+PatchStatus always comes first, and no pod is created or deleted before it is answered, so a
+decision (a new generation, a new world size) is recorded before any pod is: an operator killed
+half-way through the list picks the same decision up again from the status.
 """
 
 from __future__ import annotations

@@ -27,7 +27,9 @@ wrote itself; a job the cache does not hold yet (just created) is read from the 
 
 Triggers: every change of a pod labelled with a job name triggers that job's pass; a node turning
 NotReady or going away triggers the jobs with pods on it; a job whose spec or metadata changed
-(`kubectl scale`, a deletion) triggers its own. They run after the cache holds the change, so the
+(`kubectl scale`, a deletion) triggers its own. A new job does not: its first pass comes from
+kopf's event once kopf has put its finalizer on it (dtjob.operator.handlers). They run after the
+cache holds the change, so the
 pass they trigger sees it. An event that carries the object the cache already holds (the same
 resourceVersion: the watch's echo of the operator's own write) changes nothing and triggers
 nothing. A worker failing and the last pod of a generation going away are urgent triggers: their
@@ -438,7 +440,9 @@ class ClusterCache:
         )
 
     def _job_changed(self, old: Obj | None, new: Obj | None) -> None:
-        if old is None or new is None or _job_spec_or_meta(old) != _job_spec_or_meta(new):
+        if old is None:
+            return  # a new job: kopf's event triggers its first pass (see the module's docstring)
+        if new is None or _job_spec_or_meta(old) != _job_spec_or_meta(new):
             self._fire(*key_of(old or new or {}))
 
     def _node_changed(self, old: Obj | None, new: Obj | None) -> None:

@@ -16,6 +16,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Hashable
+from concurrent.futures import Future
 from contextlib import AbstractContextManager
 from typing import Generic, TypeVar
 
@@ -28,12 +29,23 @@ class Coalescer(Generic[K]):
     in flight, else by asking the run in flight to go once more. Triggers that arrive during one
     run coalesce into one more run.
 
+    A run may go on after `work` returns: `work` returns a future (the pass's writes that the
+    next pass must see, dtjob.operator.writer) and the run holds the key until it resolves; the
+    next run, when a trigger came meanwhile, then starts through `spawn` (the resolving thread is
+    the writer's). `work` returning None: the run is over.
+
     `lock` guards the two sets; it is a parameter so a test can act between its releases.
     """
 
-    def __init__(self, work: Callable[[K], None], lock: AbstractContextManager[object] | None = None) -> None:
+    def __init__(
+        self,
+        work: Callable[[K], Future[None] | None],
+        lock: AbstractContextManager[object] | None = None,
+        spawn: Callable[[Callable[[], None]], object] | None = None,
+    ) -> None:
         self._work = work
         self._guard: AbstractContextManager[object] = lock if lock is not None else threading.Lock()
+        self._spawn: Callable[[Callable[[], None]], object] = spawn or _in_a_thread
         self._running: set[K] = set()
         self._dirty: set[K] = set()
 
@@ -43,9 +55,15 @@ class Coalescer(Generic[K]):
                 self._dirty.add(key)
                 return
             self._running.add(key)
+        self._run(key)
+
+    def _run(self, key: K) -> None:
         try:
             while True:
-                self._work(key)
+                held = self._work(key)
+                if held is not None:
+                    held.add_done_callback(lambda _: self._released(key))
+                    return
                 with self._guard:
                     # Deciding to stop and leaving the running set happen under one lock: a
                     # trigger arriving after this block finds the key not running and runs the
@@ -61,6 +79,19 @@ class Coalescer(Generic[K]):
                 self._running.discard(key)
                 self._dirty.discard(key)
             raise
+
+    def _released(self, key: K) -> None:
+        """A held run's future resolved: the run ends, or goes once more when triggered meanwhile."""
+        with self._guard:
+            if key not in self._dirty:
+                self._running.discard(key)
+                return
+            self._dirty.discard(key)
+        self._spawn(lambda: self._run(key))
+
+
+def _in_a_thread(fn: Callable[[], None]) -> None:
+    threading.Thread(target=fn, name="coalescer", daemon=True).start()
 
 
 class Later:

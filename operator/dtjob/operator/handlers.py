@@ -3,13 +3,13 @@ runs the job's pass on the runner's threads a moment later, together with every 
 the job meanwhile (kopf's thread returns at once).
 
 Triggers: a timer per job (`JobPassRunner.tick`: it runs a pass only when the job's last plan
-wants one by now, or after `resync_seconds`), and any event of the job itself (create, spec
-change such as `kubectl scale`, status). Pods and nodes are not watched
-through kopf: the operator's own caches (dtjob.operator.cache) watch them and trigger the job of
-a pod that changed (a worker failed, was deleted, started running) or of a lost node once they
-hold the change, so the pass they trigger sees it, and recovery starts as soon as the API server
-reports it. Each handler also tells the runner that kopf handed it the job (`handed`): kopf's
-peering pauses every handler of a replica that is not the active one.
+wants one by now, or after `resync_seconds`), and any event of the job itself (spec change such
+as `kubectl scale`, status) once kopf has put its finalizer on it (`finalized`). Pods and nodes
+are not watched through kopf: the operator's own caches (dtjob.operator.cache) watch them and
+trigger the job of a pod that changed (a worker failed, was deleted, started running) or of a
+lost node once they hold the change, so the pass they trigger sees it, and recovery starts as
+soon as the API server reports it. Each handler also tells the runner that kopf handed it the job
+(`handed`): kopf's peering pauses every handler of a replica that is not the active one.
 """
 
 from __future__ import annotations
@@ -18,11 +18,9 @@ from typing import Any
 
 import kopf
 
-from dtjob.operator.jobview import GROUP, PLURAL, VERSION
+from dtjob.operator.jobview import FINALIZER, GROUP, PLURAL, VERSION, finalized
 from dtjob.operator.passes import JobPassRunner
 from dtjob.operator.settings import OperatorSettings
-
-FINALIZER = "training.dtjob.io/operator"
 
 
 def needs_timer(phase: str | None, spec: Any) -> bool:
@@ -66,11 +64,14 @@ def build_registry(runner: JobPassRunner, settings: OperatorSettings) -> kopf.Op
         runner.tick(namespace or "default", name)
 
     @kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)
-    def job_event(type: str, namespace: str | None, name: str, **_: Any) -> None:
+    def job_event(type: str, namespace: str | None, name: str, meta: kopf.Meta, **_: Any) -> None:
         if type == "DELETED":
             runner.forget(namespace or "default", name)
-        else:
-            runner.handed(namespace or "default", name)
+            return
+        runner.handed(namespace or "default", name)
+        if finalized(meta) and not runner.own_status(
+            namespace or "default", name, meta.get("resourceVersion")
+        ):
             runner.trigger_soon(namespace or "default", name)
 
     return registry

@@ -54,6 +54,17 @@ LABEL_RANK = "training.dtjob.io/rank"
 LABEL_GENERATION = "training.dtjob.io/generation"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 MANAGED_BY = "dtjob-operator"
+# kopf's finalizer on every job (its per-job timer needs one; dtjob.operator.handlers).
+FINALIZER = "training.dtjob.io/operator"
+
+
+def finalized(meta: Mapping[str, Any], finalizer: str = FINALIZER) -> bool:
+    """Whether a job is ready for its first pass: kopf calls the event handlers of a new job
+    before it puts its finalizer on it, and a status patch read before that patch is refused by
+    it (500 jobs at once: about 490 refused status patches, each answered by a read of the job and
+    the patch again). The finalizer's own event comes next. A job being deleted is ready at once."""
+    return finalizer in (meta.get("finalizers") or []) or meta.get("deletionTimestamp") is not None
+
 
 # The extended resource of a GPU: a trainer container asking for n of them runs n processes.
 GPU_RESOURCE = "nvidia.com/gpu"

@@ -52,6 +52,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
          "reconcile every job at least this often, even when no event nor deadline comes"),
         ("--trigger-delay-seconds", float, d.trigger_delay_seconds,
          "a watched change runs its job's pass this much later, with the changes meanwhile"),
+        ("--progress-write-seconds", float, d.progress_write_seconds,
+         "a status patch that only moves the workers' progress waits this long after the last one"),
         ("--grow-hold-seconds", float, r.grow_hold_seconds, "a gang runs this long at a size before growing"),
         ("--unplanned-stop-grace-seconds", int, r.unplanned_stop_grace_seconds,
          "SIGTERM-to-SIGKILL grace of the survivors of a failure"),
@@ -64,6 +66,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         ("--cache-sync-timeout-seconds", float, o.cache_sync_timeout_seconds,
          "a pass waits this long for the caches of pods, nodes and Services to list once"),
         ("--api-concurrency", int, o.api_concurrency, "pod creations and deletions in flight at once"),
+        ("--job-write-concurrency", int, o.job_write_concurrency,
+         "status patches and other writes to jobs in flight at once"),
         ("--metrics-timeout-seconds", float, o.metrics_timeout_seconds, "timeout of one scrape of rank 0"),
         ("--scrape-workers", int, o.scrape_workers, "threads scraping rank 0 of every job"),
         ("--scrape-interval-seconds", float, o.scrape_interval_seconds,
@@ -100,6 +104,7 @@ def build_settings(args: argparse.Namespace, env: Mapping[str, str]) -> Operator
         interval_seconds=args.interval,
         max_workers=args.max_workers,
         trigger_delay_seconds=args.trigger_delay_seconds,
+        progress_write_seconds=args.progress_write_seconds,
         resync_seconds=args.resync_seconds,
         verbose=args.verbose,
         reconciler=ReconcilerSettings(
@@ -113,6 +118,7 @@ def build_settings(args: argparse.Namespace, env: Mapping[str, str]) -> Operator
         observer=ObserverSettings(
             cache_sync_timeout_seconds=args.cache_sync_timeout_seconds,
             api_concurrency=args.api_concurrency,
+            job_write_concurrency=args.job_write_concurrency,
             metrics_timeout_seconds=args.metrics_timeout_seconds,
             scrape_workers=args.scrape_workers,
             scrape_interval_seconds=args.scrape_interval_seconds,
@@ -146,6 +152,7 @@ def main(argv: list[str]) -> int:
     from prometheus_client import start_http_server
 
     from dtjob.operator.handlers import build_registry
+    from dtjob.operator.jobview import FINALIZER
     from dtjob.operator.kube import Kube, load_config
     from dtjob.operator.metrics import OperatorMetrics
     from dtjob.operator.passes import JobPassRunner
@@ -159,7 +166,7 @@ def main(argv: list[str]) -> int:
     if settings.metrics_port:
         start_http_server(settings.metrics_port, registry=metrics.registry)
     kube = Kube(metrics, settings.observer, settings.namespaces)
-    runner = JobPassRunner(kube, metrics, settings)
+    runner = JobPassRunner(kube, metrics, settings, finalizer=FINALIZER)
     # Pod and node changes come from the operator's own watches (dtjob.operator.cache), rank 0's
     # new steps from its scraper: both trigger passes from their threads without waiting on them.
     kube.start(runner.trigger_soon)

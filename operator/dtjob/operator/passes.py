@@ -16,17 +16,23 @@ timer (`tick`, every `interval_seconds`) runs a pass only when one is due, a pol
 `resync_seconds` passed since the job's last pass. 200 running jobs no longer cost 40 passes a
 second that find nothing to do.
 
-A pass reads the job from the operator's cache and writes its status only over the version it
-read (the resourceVersion is the patch's precondition): when the job changed in between, the
-patch is refused, nothing of the pass is done (its status patch comes first) and it runs again.
+A pass reads the job from the operator's cache and its pods as the pod writes still in flight
+will leave them (dtjob.operator.expectations), decides, and hands the actions to the writer
+(dtjob.operator.writer) without waiting for their answers. The writer patches the status only
+over the version the pass read (the resourceVersion is the patch's precondition): when the job
+changed in between, the patch is refused, nothing of the pass is done (its status patch comes
+first) and it runs again. The job's next pass starts once the status patch and the job's other
+own writes are answered (it must start from the status this one wrote), not its pod writes: a
+1,024-worker gang's creations go out while the passes after the first decide the rest.
 
 No error of a pass is only a log line. Any exception while observing, deciding or acting shows
 on the job as a Warning event (when the error is new) and the condition `Reconciled=False` with
 the stage as its reason (ObserveFailed, ReconcileFailed, ActionFailed) and a short message with
-the attempt and the next retry. The job is then retried with backoff (`RetrySettings`): other
+the attempt and the next retry; a pod write that fails after its pass returned triggers the
+job's next pass, which reports it so. The job is then retried with backoff (`RetrySettings`): other
 triggers wait for the retry, so a failing job never loops, and the retry comes even for a job the
-timer skips (a Suspended one). The first pass that succeeds again sets `Reconciled=True` and
-posts a Normal event `Recovered`.
+timer skips (a Suspended one). The pass after the first one that succeeds again, pod writes
+included, sets `Reconciled=True` and posts a Normal event `Recovered`.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -47,10 +53,12 @@ from pydantic import ValidationError
 
 from dtjob.operator.actions import EmitEvent, PatchStatus
 from dtjob.operator.coalescer import Coalescer, Later
-from dtjob.operator.kube import ActionFailed, JobChanged, Kube, describe_action
+from dtjob.operator.jobview import finalized
+from dtjob.operator.kube import Kube
 from dtjob.operator.metrics import OperatorMetrics
 from dtjob.operator.reconciler import Plan, plan, with_condition
 from dtjob.operator.settings import OperatorSettings
+from dtjob.operator.writer import ActionFailed, JobChanged, describe_action
 
 log = logging.getLogger("dtjob.operator")
 RECONCILED = "Reconciled"
@@ -95,18 +103,31 @@ class JobPassRunner:
         metrics: OperatorMetrics,
         settings: OperatorSettings,
         clock: Callable[[], float] = time.monotonic,
+        finalizer: str | None = None,
     ) -> None:
+        """`finalizer`: a job gets no pass until it carries this finalizer (kopf's, put on every
+        job right after it appears) or is being deleted, as the operator's cache holds it; the
+        cache's event of the finalizer triggers the pass (see jobview.finalized)."""
         self.kube = kube
+        self.finalizer = finalizer
         self.metrics = metrics
         self.settings = settings
         self._clock = clock
-        self._passes: Coalescer[Key] = Coalescer(self._once)
+        self._soon = ThreadPoolExecutor(settings.max_workers, thread_name_prefix="pass")
+        self._passes: Coalescer[Key] = Coalescer(self._once, spawn=self._soon.submit)
         self._lock = threading.Lock()
         self._failing: dict[Key, _Failing] = {}
+        # A pod write of an earlier pass that failed, and a job whose pass succeeded whole after
+        # failures: each reported by the job's next pass.
+        self._write_failed: dict[Key, Exception] = {}
+        self._recovering: dict[Key, _Failing] = {}
+        # When each job's last status patch was answered (monotonic), and the jobs whose progress
+        # waits for a pass at progress_write_seconds after it.
+        self._status_written: dict[Key, float] = {}
+        self._progress_due: set[Key] = set()
         self._handed: dict[Key, float] = {}  # job -> when kopf last handed it over (monotonic)
         self._queued: set[Key] = set()
         self._next: dict[Key, _Next] = {}
-        self._soon = ThreadPoolExecutor(settings.max_workers, thread_name_prefix="pass")
         self._later = Later("pass-delay")
         # Two timer ticks and a second: kopf's timer hands every job over once per interval.
         self._handed_for = 2 * settings.interval_seconds + 1.0
@@ -163,6 +184,13 @@ class JobPassRunner:
             self._queued.discard(key)
         self.trigger(*key)
 
+    def own_status(self, namespace: str, name: str, resource_version: str | None) -> bool:
+        """Whether this version of the job is the one the operator's last status patch wrote: its
+        event needs no pass (the pass that wrote it decided on it, and triggers the next itself
+        when it changed the phase or generation). 500 jobs: about 3,000 of 8,300 passes."""
+        written = self.kube.written.get((namespace, name))
+        return written is not None and written == resource_version
+
     def forget(self, namespace: str, name: str) -> None:
         """The job is gone: drop its phase from the metrics and any pending retry."""
         self.metrics.job_phase(namespace, name, None)
@@ -170,6 +198,9 @@ class JobPassRunner:
         with self._lock:
             self._handed.pop((namespace, name), None)
             self._next.pop((namespace, name), None)
+            self._write_failed.pop((namespace, name), None)
+            self._recovering.pop((namespace, name), None)
+            self._status_written.pop((namespace, name), None)
             failing = self._failing.pop((namespace, name), None)
         if failing is not None and failing.timer is not None:
             failing.timer.cancel()
@@ -181,49 +212,125 @@ class JobPassRunner:
             return failing.attempts if failing else 0
 
     # one pass ----------------------------------------------------------------------------
-    def _once(self, key: Key) -> None:
+    def _once(self, key: Key) -> Future[None] | None:
+        """Observe, decide, hand the actions to the writer; returns what the job's next pass waits
+        for (its status patch and the job's other own writes; see dtjob.operator.writer)."""
         namespace, name = key
         with self._lock:
+            write_failed = self._write_failed.pop(key, None)
+            recovering = self._recovering.pop(key, None)
             failing = self._failing.get(key)
+        if write_failed is not None:
+            # A pod write of an earlier pass failed: shown on the job, retried with backoff.
+            self._failed(key, True, "act", write_failed)
+            return None
+        if recovering is not None and recovering is failing:
+            self._recovered(key, recovering)
+            failing = None
         # 10 ms of slack: the retry timer may wake a little before its deadline.
         if failing is not None and self._clock() < failing.retry_at - 0.01:
-            return
+            return None
         started = time.perf_counter()
         stage, job = "observe", None
         try:
             job = self.kube.get_job(namespace, name)
             if job is None:
                 self.forget(namespace, name)
-                return
+                return None
+            if self.finalizer is not None and not finalized(job.get("metadata") or {}, self.finalizer):
+                return None
             observed = self.kube.observe(job)
             stage = "decide"
             decided = plan(observed, self.settings.reconciler)
-            actions = decided.actions
+            if decided.progress_only and self._progress_later(key):
+                return None
             stage = "act"
-            self.kube.execute(job, actions)
-        except JobChanged as changed:
-            # Nothing was done (the status patch comes first): decide again on the new version.
-            log.debug("%s/%s: %s; deciding again", namespace, name, changed)
-            self.trigger(namespace, name)
-            return
+            return self.kube.submit(
+                job,
+                decided.actions,
+                functools.partial(self._written, key, job, decided, observed.now),
+                functools.partial(self._all_written, key, failing),
+            )
         except Exception as error:
-            if _job_gone(error):
-                self.forget(namespace, name)
-                return
             self._failed(key, job is not None, stage, error)
-            return
+            return None
         finally:
             self.metrics.reconcile_seconds.observe(time.perf_counter() - started)
-        self._schedule_next(key, decided, observed.now)
+
+    def _written(
+        self, key: Key, job: dict[str, Any], decided: Plan, now: datetime, error: Exception | None
+    ) -> None:
+        """The pass's status patch and the job's other own writes are answered (the job's next
+        pass may start once this returns); its pod writes are on their way."""
+        namespace, name = key
+        if isinstance(error, JobChanged):
+            # Nothing was done (the status patch comes first): decide again on the new version.
+            log.debug("%s/%s: %s; deciding again", namespace, name, error)
+            self.trigger(namespace, name)  # the job's pass is held: it goes once more
+            return
+        if error is not None:
+            if _job_gone(error):
+                self.forget(namespace, name)
+            else:
+                self._failed(key, True, "act", error)
+            return
+        patches = [action.status for action in decided.actions if isinstance(action, PatchStatus)]
+        if patches:
+            with self._lock:
+                self._status_written[key] = self._clock()
+            if patches[0].get("phase") == "Running":
+                # The rules of a running gang (rank 0's metrics, a stalled step, growing) ran
+                # before this pass set the phase: the next pass decides on it (and names their
+                # wake-ups). A status patch's own event triggers nothing else (`own_status`).
+                self.trigger_soon(namespace, name)
+        self._schedule_next(key, decided, now)
         if decided.more:
-            self.trigger(namespace, name)  # the pod writes this pass left over, at once
-        if failing is not None:
-            self._recovered(key, failing)
+            # The pod writes this pass left over, as soon as the job has no more than one pass's
+            # worth in flight: the write pool never runs dry while the next pass decides, and one
+            # gang does not queue 1,024 writes ahead of every other job's (see Plan.more).
+            at_most = self.settings.reconciler.pod_writes_per_pass
+            self.kube.when_drained(key, at_most, functools.partial(self._soon.submit, self.trigger, *key))
         phase = (job.get("status") or {}).get("phase")
-        for action in actions:
+        for action in decided.actions:
             if isinstance(action, PatchStatus) and "phase" in action.status:
                 phase = action.status["phase"]
         self.metrics.job_phase(namespace, name, phase)
+
+    def _progress_later(self, key: Key) -> bool:
+        """Whether a status patch that only moves the workers' progress waits: when the job's
+        last status patch is less than `progress_write_seconds` old. Its pass runs again then
+        (one wake-up per job), and writes whatever the progress is by that time."""
+        interval = self.settings.progress_write_seconds
+        now = self._clock()
+        with self._lock:
+            written = self._status_written.get(key)
+            if written is None or now - written >= interval:
+                return False
+            if key in self._progress_due:
+                return True
+            self._progress_due.add(key)
+        self._later.call(
+            written + interval - now, functools.partial(self._soon.submit, self._progress_due_now, key)
+        )
+        return True
+
+    def _progress_due_now(self, key: Key) -> None:
+        with self._lock:
+            self._progress_due.discard(key)
+        self.trigger(*key)
+
+    def _all_written(self, key: Key, failing: _Failing | None, error: Exception | None) -> None:
+        """Every pod write of the pass is answered: a failed one shows on the job (the next pass
+        reports it and backs off), and a pass that succeeded whole after failures reports the
+        job recovered (also in its next pass: the job's reports are written by its passes only)."""
+        with self._lock:
+            if error is not None:
+                self._write_failed.setdefault(key, error)
+            elif failing is not None:
+                self._recovering[key] = failing
+            else:
+                return
+        self._soon.submit(self.trigger, *key)
 
     def _schedule_next(self, key: Key, decided: Plan, now: datetime) -> None:
         """Remember when the job wants its next pass without an event, and trigger it then (a
