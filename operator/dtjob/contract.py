@@ -97,8 +97,14 @@ def peer_lost_line(rank: int, silent_seconds: float) -> str:
 
 def parse_peer_lost_line(text: str) -> int | None:
     """The lost rank named by the last peer-lost line in `text` (a log tail), or None."""
+    return _last_number(_PEER_LOST, text)
+
+
+def _last_number(pattern: re.Pattern[str], text: str) -> int | None:
+    """The number the last match of `pattern` in `text` captured, or None (a log tail may hold
+    several such lines: the newest counts)."""
     found = None
-    for match in _PEER_LOST.finditer(text):
+    for match in pattern.finditer(text):
         found = match
     return None if found is None else int(found.group(1))
 
@@ -116,10 +122,7 @@ def in_place_line(restarts: int) -> str:
 
 def parse_in_place_line(text: str) -> int | None:
     """The count of the last `in_place_line` in `text` (a log tail), or None."""
-    found = None
-    for match in _IN_PLACE.finditer(text):
-        found = match
-    return None if found is None else int(found.group(1))
+    return _last_number(_IN_PLACE, text)
 
 
 # --- the closing log line ------------------------------------------------------------------------
