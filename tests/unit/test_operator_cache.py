@@ -7,7 +7,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from dtjob.operator.cache import ClusterCache, Informer, trim_pod
+from dtjob.operator.cache import ClusterCache, Informer, ReadOnFirstUse, trim_pod
 from dtjob.operator.jobview import LABEL_GENERATION, LABEL_JOB
 from dtjob.operator.kube import request_kind
 
@@ -166,6 +166,19 @@ def test_pod_changes_trigger_their_job_and_a_lost_node_the_jobs_on_it() -> None:
     assert fired == [("ns", "bert"), ("ns", "gpt")]
     assert [p["metadata"]["name"] for p in cache.job_pods("ns", "gpt")] == ["gpt-worker-0"]
     assert len(cache.bound_pods()) == 2
+
+
+def test_bound_pods_are_read_at_first_use_and_kept() -> None:
+    reads: list[int] = []
+
+    def read() -> list[dict[str, object]]:
+        reads.append(1)
+        return [{"n": len(reads)}]
+
+    pods = ReadOnFirstUse(read)  # type: ignore[arg-type]
+    assert reads == [], "nothing read before first use"
+    assert list(pods) == [{"n": 1}] and pods[0] == {"n": 1} and len(pods) == 1 and pods[:1] == [{"n": 1}]
+    assert reads == [1], "one snapshot, read once"
 
 
 def test_a_worker_failing_and_the_last_pod_of_its_generation_gone_are_urgent_triggers() -> None:
