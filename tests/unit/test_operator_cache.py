@@ -7,7 +7,9 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from dtjob.operator.actions import CreatePod
 from dtjob.operator.cache import ClusterCache, Informer, ReadOnFirstUse, trim_pod
+from dtjob.operator.expectations import Expectations
 from dtjob.operator.jobview import LABEL_GENERATION, LABEL_JOB
 from dtjob.operator.kube import request_kind
 
@@ -200,6 +202,32 @@ def test_a_worker_failing_and_the_last_pod_of_its_generation_gone_are_urgent_tri
     fired.clear()
     pods._apply("DELETED", pod("gpt-worker-1", 8, phase="Failed", deleting=True))
     assert fired == [("gpt", True)], "generation 0 is gone: its pass creates generation 1"
+
+
+def test_a_new_pod_whose_creation_is_in_flight_triggers_nothing() -> None:
+    cache = ClusterCache(None, ("ns",))  # type: ignore[arg-type]
+    fired: list[str] = []
+    cache.trigger = lambda ns, name, urgent=False: fired.append(name)
+    expectations = Expectations()
+    cache.creating = lambda ns, job, name: expectations.creating((ns, job), name)
+    pods = Informer(None, "pods", "/api/v1/pods", trim=trim_pod,  # type: ignore[arg-type]
+                    indexes={"job": _job}, on_change=cache._pod_changed)  # fmt: skip
+    cache.pods = [pods]
+    manifest = {"metadata": {"name": "gpt-worker-0"}}
+    created, = expectations.expect(("ns", "gpt"), [CreatePod(manifest)])
+    pods._apply("ADDED", pod("gpt-worker-0", 1))
+    assert fired == [], "the pass that created it saw it so already"
+    pods._apply("ADDED", pod("gpt-worker-1", 2))
+    assert fired == ["gpt"], "a pod the operator is not creating"
+    pods._apply("MODIFIED", pod("gpt-worker-0", 3, node="n1"))
+    assert fired == ["gpt"] * 2, "its binding is news"
+    pods._apply("DELETED", pod("gpt-worker-0", 4, node="n1"))
+    pods._apply("ADDED", pod("gpt-worker-0", 5, node="n1", phase="Running"))
+    assert fired == ["gpt"] * 4, "a pod already bound is more than its creation said"
+    expectations.done(("ns", "gpt"), created)
+    pods._apply("DELETED", pod("gpt-worker-0", 6, node="n1"))
+    pods._apply("ADDED", pod("gpt-worker-0", 7))
+    assert fired == ["gpt"] * 6, "no creation in flight any more"
 
 
 def _job(p: dict[str, Any]) -> list[tuple[str, str]]:

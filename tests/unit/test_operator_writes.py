@@ -513,6 +513,51 @@ def test_a_progress_only_patch_waits_for_the_interval_after_the_last_and_then_is
     assert kube.patched[2][1]["phase"] == "Running"
 
 
+def test_a_progress_wake_up_runs_no_pass_when_a_later_patch_wrote_the_progress() -> None:
+    class Stepping(WritingKube):
+        def __init__(self) -> None:
+            super().__init__(replicas=2)
+            self.patched: list[dict[str, Any]] = []
+            self.reads = 0
+
+        def get_job(self, namespace: str, name: str, fresh: bool = False) -> dict[str, Any]:
+            self.reads += 1
+            return super().get_job(namespace, name, fresh)
+
+        def _head(self, job: JobView, action: Action) -> None:
+            super()._head(job, action)
+            if isinstance(action, PatchStatus):
+                self.patched.append(action.status)
+
+        def _pod(self, namespace: str, write: CreatePod | DeletePod) -> None:
+            pass
+
+    kube = Stepping()
+    settings = OperatorSettings(trigger_delay_seconds=0, progress_write_seconds=0.5)
+    runner = JobPassRunner(kube, OperatorMetrics(), settings)  # type: ignore[arg-type]
+    runner.trigger(*JOB)
+    settle(lambda: len(kube.patched) == 1)
+    kube.pods = {
+        f"gpt-worker-{r}": make_pod(r, phase="Pending", node=None, created=since_t0()) for r in range(2)
+    }
+    time.sleep(0.1)  # the first pass's writes are answered
+    reads = kube.reads
+    runner.trigger(*JOB)  # only progress: left for the wake-up at the interval's end
+    settle(lambda: kube.reads > reads)
+    assert len(kube.patched) == 1
+    kube.pods = {
+        f"gpt-worker-{r}": make_pod(r, phase="Running", node="n1", created=since_t0()) for r in range(2)
+    }
+    runner.trigger(*JOB)  # phase Running: written at once, with the progress
+    settle(lambda: len(kube.patched) == 2)
+    assert kube.patched[1]["phase"] == "Running" and kube.patched[1]["readyReplicas"] == 2
+    time.sleep(0.2)  # the pass the Running phase asks for (the running gang's rules)
+    reads = kube.reads
+    time.sleep(0.6)  # past the progress wake-up
+    assert kube.reads == reads, "the wake-up found its progress written and ran no pass"
+    assert len(kube.patched) == 2
+
+
 def test_a_pod_deleted_without_grace_is_not_deleted_again() -> None:
     """The answer of a forced deletion is a pod deleting with no grace period, which the API server
     has removed already; the cache holds it until its watch event comes."""

@@ -86,6 +86,11 @@ class Expectations:
         with self._lock:
             return sum(len(q) for q in self._jobs.get(job, {}).values())
 
+    def creating(self, job: Key, pod: str) -> bool:
+        """Whether a creation of this pod of the job is in flight."""
+        with self._lock:
+            return any(isinstance(e.write, CreatePod) for e in self._jobs.get(job, {}).get(pod, ()))
+
     def pending(self, job: Key) -> dict[str, list[PodWrite]]:
         """The job's writes in flight by pod name, oldest first (a copy)."""
         with self._lock:

@@ -173,6 +173,8 @@ class Kube:
             pod_concurrency=settings.api_concurrency,
             observe=lambda kind, seconds: metrics.write_seconds.labels(write=kind).observe(seconds),
         )
+        expectations = self.writer.expectations
+        self.cache.creating = lambda namespace, job, pod: expectations.creating((namespace, job), pod)
 
     def start(self, trigger: Trigger) -> None:
         """Starts the caches' watches; `trigger(namespace, name, urgent)` is called (from their

