@@ -29,14 +29,13 @@ Triggers: every change of a pod labelled with a job name triggers that job's pas
 NotReady or going away triggers the jobs with pods on it; a job whose spec or metadata changed
 (`kubectl scale`, a deletion) triggers its own. A new job does not: its first pass comes from
 kopf's event once kopf has put its finalizer on it (dtjob.operator.handlers). They run after the
-cache holds the change, so the
-pass they trigger sees it. An event that carries the object the cache already holds (the same
-resourceVersion: the watch's echo of the operator's own write) changes nothing and triggers
-nothing; nor does a new pod, still Pending on no node, whose creation by the operator is in
-flight (`creating`): the pass that created it saw it so already (dtjob.operator.expectations),
-and its watch event often comes before the creation's answer (500 jobs of 4 workers: 609 of
-5,059 passes). A worker failing and the last pod of a generation going away are urgent triggers: their
-passes skip the runner's trigger delay.
+cache holds the change, so the pass they trigger sees it. An event that carries the object the
+cache already holds (the same resourceVersion: the watch's echo of the operator's own write)
+changes nothing and triggers nothing; nor does a new pod, still Pending on no node, whose
+creation by the operator is in flight (`creating`): the pass that created it saw it so already
+(dtjob.operator.expectations), and its watch event often comes before the creation's answer
+(500 jobs of 4 workers: 609 of 5,059 passes). A worker failing and the last pod of a generation
+going away are urgent triggers: their passes skip the runner's trigger delay.
 """
 
 from __future__ import annotations
