@@ -214,7 +214,7 @@ def test_a_new_pod_whose_creation_is_in_flight_triggers_nothing() -> None:
                     indexes={"job": _job}, on_change=cache._pod_changed)  # fmt: skip
     cache.pods = [pods]
     manifest = {"metadata": {"name": "gpt-worker-0"}}
-    created, = expectations.expect(("ns", "gpt"), [CreatePod(manifest)])
+    (created,) = expectations.expect(("ns", "gpt"), [CreatePod(manifest)])
     pods._apply("ADDED", pod("gpt-worker-0", 1))
     assert fired == [], "the pass that created it saw it so already"
     pods._apply("ADDED", pod("gpt-worker-1", 2))
