@@ -41,7 +41,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from dtjob.trainer.parallel import clip, common, guard
-from dtjob.trainer.parallel.comm import Comm, control_group
+from dtjob.trainer.parallel.comm import Comm, control_group, new_group
 from dtjob.trainer.parallel.pp import wire
 from dtjob.trainer.parallel.pp.schedule import schedule_actions
 from dtjob.trainer.parallel.pp.split import auto_split, plan, spec_of, zeros_of
@@ -53,12 +53,6 @@ LossFn = Callable[[Any, Any], torch.Tensor]
 class _StageDone(BaseException):
     """Raised at the next stage's boundary: this stage's part of the forward is over. A
     BaseException, so that no `except Exception` in a model's forward swallows it."""
-
-
-def _new_group(ranks: list[int]) -> dist.ProcessGroup | None:
-    """A process group over `ranks` (collective: every rank calls it for every group)."""
-    group = dist.new_group(ranks)
-    return group if isinstance(group, dist.ProcessGroup) else None
 
 
 def default_loss(output: Any, targets: Any) -> torch.Tensor:
@@ -170,8 +164,8 @@ class Pipeline(common.Wrapper):
         self.stages, self.replicas = P, world // P
         self.stage, self.replica = rank % P, rank // P
         # Every rank must create every group, in the same order.
-        pp_groups = [_new_group([d * P + s for s in range(P)]) for d in range(self.replicas)]
-        dp_groups = [_new_group([d * P + s for d in range(self.replicas)]) for s in range(P)]
+        pp_groups = [new_group([d * P + s for s in range(P)]) for d in range(self.replicas)]
+        dp_groups = [new_group([d * P + s for d in range(self.replicas)]) for s in range(P)]
         self.comm = Comm(collective, None)
         self.pp_comm = Comm(collective, pp_groups[self.replica])
         self.dp_comm = Comm(collective, dp_groups[self.stage])
@@ -219,7 +213,7 @@ class Pipeline(common.Wrapper):
         sets = sorted({tuple(sorted(o)) for o in self.plan.owners.values() if len(o) > 1})
         result = []
         for stage_set in sets:
-            groups = [_new_group([d * self.stages + s for s in stage_set]) for d in range(self.replicas)]
+            groups = [new_group([d * self.stages + s for s in stage_set]) for d in range(self.replicas)]
             if self.stage in stage_set:
                 shared = [p for _, p in self._owned if tuple(sorted(self.plan.owners[id(p)])) == stage_set]
                 result.append(
