@@ -5,7 +5,8 @@ spawns the group once and runs many cases in it. A case is a plain dict (picklab
 
     name, model ("gpt" | "mlp"), config (see `wrap`), steps, batch (global batch size),
     optimizer ("adamw" | "sgd"), lr, measure ("memory" | None),
-    tie (mlp only: its two hidden layers share one weight, a parameter tied across blocks)
+    tie (mlp only: its two hidden layers share one weight, a parameter tied across blocks),
+    trace_p2p (record the point-to-point calls of the training steps: result["p2p"])
 
 config: strategy ("ddp" | "fsdp" | "pipeline") and the wrappers' options (zero_stage, collective,
 ddp_bucket_mb, ddp_first_bucket_mb, grad_compression, precision, zero3_prefetch, pipeline_stages,
@@ -20,6 +21,7 @@ measurement. `reference(case)` trains the same model on the same global batches 
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import multiprocessing
 import os
@@ -34,6 +36,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from dtjob.trainer.models import GPT, MLP, GPTConfig, MLPConfig
+from tests.trainer._p2p_check import Recorder
 
 GPT_SMALL = {"vocab": 32, "width": 16, "depth": 2, "heads": 2, "seq_len": 8}
 MLP_SMALL = {"inputs": 12, "hidden": 24, "classes": 6, "depth": 4}
@@ -264,8 +267,6 @@ def _train_step(
     wrapped: Any, optimizer: Any, x: torch.Tensor, y: torch.Tensor, case: dict[str, Any]
 ) -> float:
     """One step of the user's own loop; returns the global mean loss."""
-    import contextlib
-
     config = case.get("config", {})
     if config.get("strategy") == "pipeline":
         loss = float(wrapped.step({"input_ids": x, "labels": y}) if is_hf(case) else wrapped.step(x, y))
@@ -308,14 +309,16 @@ def _run_case(case: dict[str, Any]) -> dict[str, Any]:
     memory: list[int] = []
     replicas = getattr(wrapped, "data_parallel_size", dist.get_world_size())
     replica = getattr(wrapped, "data_parallel_rank", dist.get_rank())
-    for step in range(case.get("start_step", 0), case.get("steps", 10)):
-        x, y = global_batch(case, step)
-        rows = x.shape[0] // replicas
-        lo = replica * rows
-        losses.append(_train_step(wrapped, optimizer, x[lo : lo + rows], y[lo : lo + rows], case))
-        del x, y
-        if case.get("measure") == "memory":
-            memory.append(live_tensor_bytes() - baseline)
+    recorder = Recorder() if case.get("trace_p2p") else None  # see _p2p_check.py
+    with recorder or contextlib.nullcontext():
+        for step in range(case.get("start_step", 0), case.get("steps", 10)):
+            x, y = global_batch(case, step)
+            rows = x.shape[0] // replicas
+            lo = replica * rows
+            losses.append(_train_step(wrapped, optimizer, x[lo : lo + rows], y[lo : lo + rows], case))
+            del x, y
+            if case.get("measure") == "memory":
+                memory.append(live_tensor_bytes() - baseline)
     if case.get("save_to"):
         os.makedirs(case["save_to"], exist_ok=True)
         saved = {"shards": _shards_to_plain(state), "extra": state.extra_state()}
@@ -339,6 +342,8 @@ def _run_case(case: dict[str, Any]) -> dict[str, Any]:
         result["ddp_launches"] = launches
     if isinstance(wrapped, FullyShardedModule):
         result["peak_gathered_units"] = (wrapped.peak_gathered_units, len(wrapped.units))
+    if recorder is not None:
+        result["p2p"] = recorder.calls
     peak = getattr(wrapped, "peak_live_microbatches", None)
     if peak is not None:
         result["peak_live_microbatches"] = peak

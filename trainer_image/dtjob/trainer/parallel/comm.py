@@ -142,6 +142,17 @@ class Comm:
         """Blocking point-to-point receive from default-group rank `src` into `tensor`."""
         dist.recv(tensor, src, group=self.group, tag=tag)
 
+    def batch_p2p(
+        self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], tag: int
+    ) -> None:
+        """Sends to and receives from default-group ranks as one `dist.batch_isend_irecv` (NCCL
+        runs them together), sends first, each list in its order; returns when all are done."""
+        ops = [dist.P2POp(dist.isend, t, peer, group=self.group, tag=tag) for t, peer in sends]
+        ops += [dist.P2POp(dist.irecv, t, peer, group=self.group, tag=tag) for t, peer in recvs]
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+
 
 def default_timeout() -> timedelta:
     """The default group's timeout: init_process_group(timeout=), the job's collective timeout.
