@@ -210,6 +210,7 @@ class Pipeline(common.Wrapper):
         self._checked_stand_ins = False
         self._specs: dict[str, Any] = {}  # stand-in name -> the output spec of the micro-batch at hand
         self._mb: _Microbatch | None = None
+        self._loss_scale: torch.Tensor | None = None  # fp16's, for the step at hand
         clip.install()
 
     # -- setup -----------------------------------------------------------------------------------
@@ -338,12 +339,19 @@ class Pipeline(common.Wrapper):
     def data_parallel_size(self) -> int:
         return self.replicas
 
-    def step(self, inputs: Any, targets: Any = None) -> float:
+    def step(self, inputs: Any, targets: Any = None, scaler: torch.amp.GradScaler | None = None) -> float:
         """Forward and backward of this replica's batch in micro-batches; the gradients of this
         stage's parameters are averaged over the replicas (and summed over the stages that share a
-        tied weight) when it returns. Returns the mean loss over the global batch, on every rank."""
+        tied weight) when it returns. Returns the mean loss over the global batch, on every rank.
+
+        scaler: fp16's loss scaling, required with mixed_precision="fp16" (its gradients underflow
+        without it); the last stage scales the loss by it, so every stage's gradients come out
+        scaled, and scaler.step(optimizer) unscales them. It must be a ShardedGradScaler over the
+        whole world: whether any gradient overflowed must be agreed on by every stage and replica,
+        or some would skip a step that others take, and their scales would part."""
         start = time.perf_counter()
         self.last_step_busy_s = 0.0
+        self._loss_scale = self._scale_of(scaler)
         self._prepare_grads()
         self.meter.live = self.meter.peak = 0
         loss, per_microbatch = self._run_schedule(inputs, targets)
@@ -362,6 +370,25 @@ class Pipeline(common.Wrapper):
         self.comm.all_reduce_sum(loss)
         self.last_step_total_s = time.perf_counter() - start
         return float(loss.item()) / self.replicas
+
+    def _scale_of(self, scaler: torch.amp.GradScaler | None) -> torch.Tensor | None:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        if scaler is None or not scaler.is_enabled():
+            if self.mixed_precision == "fp16":
+                raise ValueError(
+                    "pipeline: mixed_precision='fp16' needs loss scaling; pass "
+                    "step(..., scaler=ShardedGradScaler(device_type)) and call scaler.step(optimizer)"
+                )
+            return None
+        if not isinstance(scaler, ShardedGradScaler) or scaler.process_group not in (None, dist.group.WORLD):
+            raise TypeError(
+                "pipeline: the scaler must be a torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler "
+                "over the whole world, so that every stage skips the steps where any stage overflowed"
+            )
+        # scaler.scale() of a one is the scale, and initialises it on every stage, including those
+        # that scale no loss of their own (scaler.step() needs it).
+        return scaler.scale(torch.ones((), device=self._device))
 
     def _prepare_grads(self) -> None:
         """Each parameter's .grad a view of the flat buffer, keeping what accumulated (torch's
@@ -462,7 +489,7 @@ class Pipeline(common.Wrapper):
     def _backward(self, mb: _Microbatch) -> None:
         t0 = time.perf_counter()
         if mb.loss is not None:
-            mb.loss.backward()
+            (mb.loss if self._loss_scale is None else mb.loss * self._loss_scale).backward()
         elif mb.sent:
             torch.autograd.backward(mb.sent, mb.grads_in)
         mb.grads_in = []
