@@ -5,12 +5,16 @@ spawns the group once and runs many cases in it. A case is a plain dict (picklab
 
     name, model ("gpt" | "mlp"), config (see `wrap`), steps, batch (global batch size),
     optimizer ("adamw" | "sgd"), lr, measure ("memory" | None),
-    tie (mlp only: its two hidden layers share one weight, a parameter tied across blocks)
+    tie (mlp only: its two hidden layers share one weight, a parameter tied across blocks),
+    trace_p2p (record the point-to-point calls of the training steps: result["p2p"]),
+    overflow ((step, rank): that rank makes one of its gradients inf at that step)
 
 config: strategy ("ddp" | "fsdp" | "pipeline") and the wrappers' options (zero_stage, collective,
 ddp_bucket_mb, ddp_first_bucket_mb, grad_compression, precision, zero3_prefetch, pipeline_stages,
 microbatches, schedule), plus what the training loop does: grad_accum (no_sync micro-steps),
-grad_clip (torch.nn.utils.clip_grad_norm_), activation_checkpointing.
+grad_clip (torch.nn.utils.clip_grad_norm_), activation_checkpointing. precision "fp16" trains
+with a ShardedGradScaler; result["scales"] and result["optimizer_steps"] say, after each step,
+its scale and how many steps the optimizer took.
 
 Every rank trains in an ordinary user loop (forward, backward, clip, optimizer.step, zero_grad)
 and returns, per case: the loss of each step, the model shards a checkpoint would write
@@ -20,6 +24,7 @@ measurement. `reference(case)` trains the same model on the same global batches 
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import multiprocessing
 import os
@@ -32,8 +37,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from dtjob.trainer.models import GPT, MLP, GPTConfig, MLPConfig
+from tests.trainer._p2p_check import Recorder
 
 GPT_SMALL = {"vocab": 32, "width": 16, "depth": 2, "heads": 2, "seq_len": 8}
 MLP_SMALL = {"inputs": 12, "hidden": 24, "classes": 6, "depth": 4}
@@ -261,14 +268,23 @@ def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
 
 
 def _train_step(
-    wrapped: Any, optimizer: Any, x: torch.Tensor, y: torch.Tensor, case: dict[str, Any]
+    wrapped: Any,
+    optimizer: Any,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    case: dict[str, Any],
+    scaler: Any = None,
+    overflow: bool = False,
 ) -> float:
-    """One step of the user's own loop; returns the global mean loss."""
-    import contextlib
+    """One step of the user's own loop; returns the global mean loss.
 
+    scaler: a ShardedGradScaler (fp16). overflow: make one of this rank's gradients inf, as an fp16
+    overflow on this rank alone would."""
     config = case.get("config", {})
     if config.get("strategy") == "pipeline":
-        loss = float(wrapped.step({"input_ids": x, "labels": y}) if is_hf(case) else wrapped.step(x, y))
+        inputs = {"input_ids": x, "labels": y} if is_hf(case) else x
+        scaling = {} if scaler is None else {"scaler": scaler}
+        loss = float(wrapped.step(inputs, None if is_hf(case) else y, **scaling))
     else:
         parts = config.get("grad_accum", 1)
         local = torch.zeros((), dtype=torch.float64)
@@ -276,13 +292,22 @@ def _train_step(
         for i, (xi, yi) in enumerate(chunks):
             with wrapped.no_sync() if i < len(chunks) - 1 else contextlib.nullcontext():
                 part = loss_of(wrapped, xi, yi, case) / parts
-                part.backward()
+                (part if scaler is None else scaler.scale(part)).backward()
             local += part.detach().double()
         dist.all_reduce(local)
         loss = float(local) / dist.get_world_size()
+    if overflow:
+        grad = next(p.grad for p in wrapped.parameters() if p.grad is not None)
+        grad.view(-1)[0] = float("inf")
     if config.get("grad_clip"):
+        if scaler is not None:
+            scaler.unscale_(optimizer)
         torch.nn.utils.clip_grad_norm_(wrapped.parameters(), config["grad_clip"])
-    optimizer.step()
+    if scaler is None:
+        optimizer.step()
+    else:
+        scaler.step(optimizer)
+        scaler.update()
     optimizer.zero_grad()
     return loss
 
@@ -308,14 +333,24 @@ def _run_case(case: dict[str, Any]) -> dict[str, Any]:
     memory: list[int] = []
     replicas = getattr(wrapped, "data_parallel_size", dist.get_world_size())
     replica = getattr(wrapped, "data_parallel_rank", dist.get_rank())
-    for step in range(case.get("start_step", 0), case.get("steps", 10)):
-        x, y = global_batch(case, step)
-        rows = x.shape[0] // replicas
-        lo = replica * rows
-        losses.append(_train_step(wrapped, optimizer, x[lo : lo + rows], y[lo : lo + rows], case))
-        del x, y
-        if case.get("measure") == "memory":
-            memory.append(live_tensor_bytes() - baseline)
+    recorder = Recorder() if case.get("trace_p2p") else None  # see _p2p_check.py
+    scaler = ShardedGradScaler("cpu") if config.get("precision") == "fp16" else None
+    scales, optimizer_steps = [], []
+    with recorder or contextlib.nullcontext():
+        for step in range(case.get("start_step", 0), case.get("steps", 10)):
+            x, y = global_batch(case, step)
+            rows = x.shape[0] // replicas
+            lo = replica * rows
+            overflow = case.get("overflow") == (step, dist.get_rank())
+            x, y = x[lo : lo + rows], y[lo : lo + rows]
+            losses.append(_train_step(wrapped, optimizer, x, y, case, scaler, overflow))
+            del x, y
+            if scaler is not None:
+                scales.append(scaler.get_scale())
+                first = optimizer.param_groups[0]["params"][0]
+                optimizer_steps.append(int(optimizer.state.get(first, {}).get("step", 0)))
+            if case.get("measure") == "memory":
+                memory.append(live_tensor_bytes() - baseline)
     if case.get("save_to"):
         os.makedirs(case["save_to"], exist_ok=True)
         saved = {"shards": _shards_to_plain(state), "extra": state.extra_state()}
@@ -339,6 +374,10 @@ def _run_case(case: dict[str, Any]) -> dict[str, Any]:
         result["ddp_launches"] = launches
     if isinstance(wrapped, FullyShardedModule):
         result["peak_gathered_units"] = (wrapped.peak_gathered_units, len(wrapped.units))
+    if recorder is not None:
+        result["p2p"] = recorder.calls
+    if scaler is not None:
+        result["scales"], result["optimizer_steps"] = scales, optimizer_steps
     peak = getattr(wrapped, "peak_live_microbatches", None)
     if peak is not None:
         result["peak_live_microbatches"] = peak

@@ -229,6 +229,18 @@ def test_a_pipeline_stage_state_dict_is_its_own_tensors_under_the_original_names
         pipe.load_state_dict({})
 
 
+def test_an_fp16_pipeline_needs_a_scaler_whose_skips_every_rank_shares(one_process_group: None) -> None:
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    pipe = pipeline(Tower(), stages=1, mixed_precision="fp16", loss_fn=lambda out, _: out.float().mean())
+    ids = torch.randint(0, 10, (4, 3))
+    with pytest.raises(ValueError, match="needs loss scaling"):
+        pipe.step(ids)  # unscaled fp16 gradients underflow
+    with pytest.raises(TypeError, match="ShardedGradScaler"):
+        pipe.step(ids, scaler=torch.amp.GradScaler("cpu"))  # its overflow finding is this rank's alone
+    pipe.step(ids, scaler=ShardedGradScaler("cpu"))
+
+
 def test_comm_rejects_unknown_algorithm_and_wrappers_need_a_process_group() -> None:
     with pytest.raises(ValueError, match="collective must be one of"):
         Comm("tree")

@@ -125,7 +125,7 @@ def _train(session: ElasticSession, c: TrainerConfig) -> None:
         x, y = build.inputs_and_targets([dataset[i] for i in sampler.indices(step)])
         x, y = session.to_device(x), session.to_device(y)
         if is_pipeline:
-            loss: torch.Tensor | float = wrapped.step(x, y)  # type: ignore[operator]
+            loss: torch.Tensor | float = wrapped.step(x, y, scaler=scaler)  # type: ignore[operator]
         else:
             loss = _forward_backward(wrapped, x, y, c.grad_accum, scaler)
         if c.grad_clip > 0:
@@ -159,7 +159,8 @@ def _train(session: ElasticSession, c: TrainerConfig) -> None:
 def _grad_scaler(c: TrainerConfig, session: ElasticSession) -> torch.amp.GradScaler:
     """fp16's dynamic loss scaling (a no-op otherwise). Sharded gradients (ZeRO, pipeline stages)
     need every rank to agree whether any of them overflowed: torch's ShardedGradScaler all-reduces
-    that finding, so all ranks skip the same steps."""
+    that finding over the world, so all ranks skip the same steps. The pipeline scales its loss
+    itself, on its last stage (Pipeline.step's scaler)."""
     enabled = c.precision == "fp16"
     if c.strategy == "ddp" or not enabled:
         return torch.amp.GradScaler(session.device.type, enabled=enabled)

@@ -18,6 +18,7 @@ depend on which ops an algorithm supports.
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any, Protocol
 
 import torch
@@ -141,6 +142,34 @@ class Comm:
         """Blocking point-to-point receive from default-group rank `src` into `tensor`."""
         dist.recv(tensor, src, group=self.group, tag=tag)
 
+    def batch_p2p(
+        self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], tag: int
+    ) -> None:
+        """Sends to and receives from default-group ranks as one `dist.batch_isend_irecv` (NCCL
+        runs them together), sends first, each list in its order; returns when all are done."""
+        ops = [dist.P2POp(dist.isend, t, peer, group=self.group, tag=tag) for t, peer in sends]
+        ops += [dist.P2POp(dist.irecv, t, peer, group=self.group, tag=tag) for t, peer in recvs]
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+
+
+def default_timeout() -> timedelta:
+    """The default group's timeout: init_process_group(timeout=), the job's collective timeout.
+
+    `dist.new_group()` without a timeout does not inherit it but takes torch's default (30 min on
+    gloo, 10 on NCCL), so a hung peer inside a subgroup would be found that late."""
+    pg = dist.distributed_c10d._get_default_group()
+    timeout: timedelta = pg._get_backend(pg._device_types[0]).options._timeout
+    return timeout
+
+
+def new_group(ranks: list[int] | None = None, backend: str | None = None) -> dist.ProcessGroup | None:
+    """`dist.new_group` with the default group's timeout (collective: every rank of the world
+    calls it, in the same order); None on a rank outside `ranks`."""
+    group = dist.new_group(ranks, timeout=default_timeout(), backend=backend)
+    return group if isinstance(group, dist.ProcessGroup) else None
+
 
 _CONTROL: dict[int, dist.ProcessGroup] = {}
 
@@ -156,7 +185,7 @@ def control_group() -> dist.ProcessGroup | None:
     world = dist.group.WORLD
     key = id(world)
     if key not in _CONTROL:
-        group = dist.new_group(backend="gloo")
-        assert isinstance(group, dist.ProcessGroup)
+        group = new_group(backend="gloo")
+        assert group is not None
         _CONTROL[key] = group
     return _CONTROL[key]

@@ -24,8 +24,9 @@ given `labels`). A stand-in output that the stage still uses after its boundary 
 around the cut) would be silently wrong, so its zeros require grad and the first step raises if
 any of them receives a gradient.
 
-Sends are asynchronous and receives block in schedule order; because every schedule here only waits
-on work that its neighbour's schedule has already issued, no order of arrival deadlocks on gloo.
+Between two actions a stage sends what the first produced and receives what the second needs in
+one batch (schedule.exchanges, wire.py): under NCCL, unbatched sends and receives facing each other
+between two stages deadlock once tensors outgrow NCCL's buffers.
 """
 
 from __future__ import annotations
@@ -41,9 +42,9 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from dtjob.trainer.parallel import clip, common, guard
-from dtjob.trainer.parallel.comm import Comm, control_group
+from dtjob.trainer.parallel.comm import Comm, control_group, new_group
 from dtjob.trainer.parallel.pp import wire
-from dtjob.trainer.parallel.pp.schedule import schedule_actions
+from dtjob.trainer.parallel.pp.schedule import P2P, exchanges
 from dtjob.trainer.parallel.pp.split import auto_split, plan, spec_of, zeros_of
 from dtjob.trainer.parallel.shards import LocalShard
 
@@ -53,12 +54,6 @@ LossFn = Callable[[Any, Any], torch.Tensor]
 class _StageDone(BaseException):
     """Raised at the next stage's boundary: this stage's part of the forward is over. A
     BaseException, so that no `except Exception` in a model's forward swallows it."""
-
-
-def _new_group(ranks: list[int]) -> dist.ProcessGroup | None:
-    """A process group over `ranks` (collective: every rank calls it for every group)."""
-    group = dist.new_group(ranks)
-    return group if isinstance(group, dist.ProcessGroup) else None
 
 
 def default_loss(output: Any, targets: Any) -> torch.Tensor:
@@ -135,11 +130,16 @@ class _Saved:
 
 
 class _Microbatch:
-    """What one micro-batch leaves on this stage between its forward and its backward."""
+    """What one micro-batch leaves on this stage between its messages, forward and backward."""
 
     def __init__(self) -> None:
         self.received: list[torch.Tensor] = []  # from the previous stage
-        self.sent: list[torch.Tensor] = []  # to the next stage, those that require grad
+        self.specs: dict[str, Any] = {}  # the previous stage's stand-in output specs
+        self.outgoing: list[torch.Tensor] = []  # the next boundary call's tensors, to send
+        self.outgoing_specs: dict[str, Any] = {}
+        self.sent: list[torch.Tensor] = []  # those of `outgoing` that require grad
+        self.grads_in: list[torch.Tensor] = []  # their gradients, from the next stage
+        self.grads_out: list[torch.Tensor] = []  # gradients of `received` that require grad
         self.loss: torch.Tensor | None = None  # last stage
         self.stand_ins: list[torch.Tensor] = []
 
@@ -170,8 +170,8 @@ class Pipeline(common.Wrapper):
         self.stages, self.replicas = P, world // P
         self.stage, self.replica = rank % P, rank // P
         # Every rank must create every group, in the same order.
-        pp_groups = [_new_group([d * P + s for s in range(P)]) for d in range(self.replicas)]
-        dp_groups = [_new_group([d * P + s for d in range(self.replicas)]) for s in range(P)]
+        pp_groups = [new_group([d * P + s for s in range(P)]) for d in range(self.replicas)]
+        dp_groups = [new_group([d * P + s for d in range(self.replicas)]) for s in range(P)]
         self.comm = Comm(collective, None)
         self.pp_comm = Comm(collective, pp_groups[self.replica])
         self.dp_comm = Comm(collective, dp_groups[self.stage])
@@ -210,6 +210,7 @@ class Pipeline(common.Wrapper):
         self._checked_stand_ins = False
         self._specs: dict[str, Any] = {}  # stand-in name -> the output spec of the micro-batch at hand
         self._mb: _Microbatch | None = None
+        self._loss_scale: torch.Tensor | None = None  # fp16's, for the step at hand
         clip.install()
 
     # -- setup -----------------------------------------------------------------------------------
@@ -219,7 +220,7 @@ class Pipeline(common.Wrapper):
         sets = sorted({tuple(sorted(o)) for o in self.plan.owners.values() if len(o) > 1})
         result = []
         for stage_set in sets:
-            groups = [_new_group([d * self.stages + s for s in stage_set]) for d in range(self.replicas)]
+            groups = [new_group([d * self.stages + s for s in stage_set]) for d in range(self.replicas)]
             if self.stage in stage_set:
                 shared = [p for _, p in self._owned if tuple(sorted(self.plan.owners[id(p)])) == stage_set]
                 result.append(
@@ -291,7 +292,7 @@ class Pipeline(common.Wrapper):
         assert self._mb is not None and self.next_rank is not None
         tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         specs = {n: self._specs[n] for n in self.plan.stand_ins[self.stage + 1] if n in self._specs}
-        self._sends += wire.send(self.comm, self.control_comm, tensors, {"specs": specs}, self.next_rank)
+        self._mb.outgoing, self._mb.outgoing_specs = tensors, specs
         self._mb.sent = [t for t in tensors if t.requires_grad]
         raise _StageDone
 
@@ -338,12 +339,19 @@ class Pipeline(common.Wrapper):
     def data_parallel_size(self) -> int:
         return self.replicas
 
-    def step(self, inputs: Any, targets: Any = None) -> float:
+    def step(self, inputs: Any, targets: Any = None, scaler: torch.amp.GradScaler | None = None) -> float:
         """Forward and backward of this replica's batch in micro-batches; the gradients of this
         stage's parameters are averaged over the replicas (and summed over the stages that share a
-        tied weight) when it returns. Returns the mean loss over the global batch, on every rank."""
+        tied weight) when it returns. Returns the mean loss over the global batch, on every rank.
+
+        scaler: fp16's loss scaling, required with mixed_precision="fp16" (its gradients underflow
+        without it); the last stage scales the loss by it, so every stage's gradients come out
+        scaled, and scaler.step(optimizer) unscales them. It must be a ShardedGradScaler over the
+        whole world: whether any gradient overflowed must be agreed on by every stage and replica,
+        or some would skip a step that others take, and their scales would part."""
         start = time.perf_counter()
         self.last_step_busy_s = 0.0
+        self._loss_scale = self._scale_of(scaler)
         self._prepare_grads()
         self.meter.live = self.meter.peak = 0
         loss, per_microbatch = self._run_schedule(inputs, targets)
@@ -363,6 +371,25 @@ class Pipeline(common.Wrapper):
         self.last_step_total_s = time.perf_counter() - start
         return float(loss.item()) / self.replicas
 
+    def _scale_of(self, scaler: torch.amp.GradScaler | None) -> torch.Tensor | None:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        if scaler is None or not scaler.is_enabled():
+            if self.mixed_precision == "fp16":
+                raise ValueError(
+                    "pipeline: mixed_precision='fp16' needs loss scaling; pass "
+                    "step(..., scaler=ShardedGradScaler(device_type)) and call scaler.step(optimizer)"
+                )
+            return None
+        if not isinstance(scaler, ShardedGradScaler) or scaler.process_group not in (None, dist.group.WORLD):
+            raise TypeError(
+                "pipeline: the scaler must be a torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler "
+                "over the whole world, so that every stage skips the steps where any stage overflowed"
+            )
+        # scaler.scale() of a one is the scale, and initialises it on every stage, including those
+        # that scale no loss of their own (scaler.step() needs it).
+        return scaler.scale(torch.ones((), device=self._device))
+
     def _prepare_grads(self) -> None:
         """Each parameter's .grad a view of the flat buffer, keeping what accumulated (torch's
         semantics: gradients add up until the user zeroes them)."""
@@ -379,30 +406,69 @@ class Pipeline(common.Wrapper):
         micro_inputs = _chunks(inputs, M, "microbatches")
         micro_targets = _chunks(targets, M, "microbatches") if targets is not None else [None] * M
         state: dict[int, _Microbatch] = {}
-        self._sends: list[Any] = []
+        self._header_sends: list[Any] = []
         loss_sum = torch.zeros(1, dtype=torch.float64, device=self.comm.device)
         per_microbatch = 0
-        for action in schedule_actions(self.schedule, self.stage, self.stages, M):
-            m = action.microbatch
-            if action.kind == "F":
-                mb = state[m] = _Microbatch()
+        for step in exchanges(self.schedule, self.stage, self.stages, M):
+            self._exchange(step.exchange, state)
+            if step.action is None:
+                continue
+            m = step.action.microbatch
+            mb = state.setdefault(m, _Microbatch())
+            if step.action.kind == "F":
                 before = self.meter.live
                 self._forward(mb, micro_inputs[m], micro_targets[m])
                 per_microbatch = per_microbatch or self.meter.live - before
                 if mb.loss is not None:
                     loss_sum += mb.loss.detach().to(loss_sum)
             else:
-                self._backward(state.pop(m))
-        for work in self._sends:
+                self._backward(mb)
+                if self.prev_rank is None:
+                    del state[m]  # nothing to send back
+        for work in self._header_sends:
             work.wait()
         self._checked_stand_ins = True
         return loss_sum, per_microbatch
 
+    def _exchange(self, ops: list[P2P], state: dict[int, _Microbatch]) -> None:
+        """One batch of messages (schedule.exchanges). The headers of this batch's activations go
+        out before this stage reads any header, which may block (wire.py)."""
+        base = self.replica * self.stages
+        sends: list[tuple[torch.Tensor, int]] = []
+        recvs: list[tuple[torch.Tensor, int]] = []
+        for op in ops:
+            if op.op != "send":
+                continue
+            mb, peer = state[op.microbatch], base + op.peer
+            if op.kind == "F":
+                extra = {"specs": mb.outgoing_specs}
+                self._header_sends += wire.send_header(self.control_comm, mb.outgoing, extra, peer)
+                sends += [(t, peer) for t in mb.outgoing]
+                mb.outgoing = []
+            else:
+                sends += [(g, peer) for g in mb.grads_out]
+                del state[op.microbatch]  # its backward is done, and this is its last message
+        flags: list[tuple[_Microbatch, list[bool]]] = []
+        for op in ops:
+            peer = base + op.peer
+            if op.op == "recv" and op.kind == "F":
+                mb = state[op.microbatch] = _Microbatch()
+                mb.received, requires_grad, extra = wire.recv_header(self.control_comm, peer, self._device)
+                mb.specs = extra["specs"]
+                flags.append((mb, requires_grad))
+                recvs += [(t, peer) for t in mb.received]
+            elif op.op == "recv":
+                mb = state[op.microbatch]
+                mb.grads_in = [torch.empty_like(t) for t in mb.sent]
+                recvs += [(g, peer) for g in mb.grads_in]
+        wire.exchange(self.comm, sends, recvs)
+        for mb, requires_grad in flags:
+            for t, flag in zip(mb.received, requires_grad, strict=True):
+                t.requires_grad_(flag)
+
     def _forward(self, mb: _Microbatch, inputs: Any, targets: Any) -> None:
         self._mb = mb
-        if self.prev_rank is not None:
-            mb.received, extra = wire.recv(self.comm, self.control_comm, self.prev_rank, self._device)
-            self._specs.update(extra["specs"])
+        self._specs.update(mb.specs)
         t0 = time.perf_counter()
         saving = torch.autograd.graph.saved_tensors_hooks(self.meter.pack, self.meter.unpack)
         try:
@@ -423,17 +489,13 @@ class Pipeline(common.Wrapper):
     def _backward(self, mb: _Microbatch) -> None:
         t0 = time.perf_counter()
         if mb.loss is not None:
-            mb.loss.backward()
+            (mb.loss if self._loss_scale is None else mb.loss * self._loss_scale).backward()
         elif mb.sent:
-            assert self.next_rank is not None
-            grads = [torch.empty_like(t) for t in mb.sent]
-            wire.recv_into(self.comm, grads, self.next_rank)
-            torch.autograd.backward(mb.sent, grads)
+            torch.autograd.backward(mb.sent, mb.grads_in)
+        mb.grads_in = []
         self.last_step_busy_s += time.perf_counter() - t0
-        if self.prev_rank is not None:
-            back = [t for t in mb.received if t.requires_grad]
-            grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in back]
-            self._sends += wire.send_tensors(self.comm, grads, self.prev_rank)
+        back = [t for t in mb.received if t.requires_grad]
+        mb.grads_out = [t.grad if t.grad is not None else torch.zeros_like(t) for t in back]
         if not self._checked_stand_ins:
             self._check_stand_ins(mb)
 

@@ -7,6 +7,9 @@ GPipe: every forward, then every backward. Stage s holds all M micro-batches' ac
     stage s never holds more than P-s of them (at most P, instead of M).
 
 Both have the same bubble: (P-1) idle slots out of M+P-1 per stage, a fraction (P-1)/(M+P-1).
+
+`exchanges` adds the point-to-point traffic: between two consecutive actions a stage sends what
+the first produced and receives what the second needs, all in one batch (see wire.py for why).
 """
 
 from __future__ import annotations
@@ -33,6 +36,50 @@ def schedule_actions(schedule: str, stage: int, stages: int, microbatches: int) 
     for i in range(microbatches - warmup):
         actions += [forwards[warmup + i], backwards[i]]
     return actions + backwards[microbatches - warmup :]
+
+
+class P2P(NamedTuple):
+    """One message: activations ("F") of a micro-batch going forward, or their gradients ("B")
+    coming back; `peer` is the other stage."""
+
+    op: Literal["send", "recv"]
+    peer: int
+    kind: Literal["F", "B"]
+    microbatch: int
+
+
+class Step(NamedTuple):
+    """One batch of messages, then one action (None after the last action: only its sends)."""
+
+    exchange: list[P2P]
+    action: Action | None
+
+
+def _sends(action: Action, stage: int, stages: int) -> list[P2P]:
+    if action.kind == "F":
+        return [P2P("send", stage + 1, "F", action.microbatch)] if stage < stages - 1 else []
+    return [P2P("send", stage - 1, "B", action.microbatch)] if stage > 0 else []
+
+
+def _recvs(action: Action, stage: int, stages: int) -> list[P2P]:
+    if action.kind == "F":
+        return [P2P("recv", stage - 1, "F", action.microbatch)] if stage > 0 else []
+    return [P2P("recv", stage + 1, "B", action.microbatch)] if stage < stages - 1 else []
+
+
+def exchanges(schedule: str, stage: int, stages: int, microbatches: int) -> list[Step]:
+    """Stage `stage`'s actions, each preceded by the batch that sends the previous action's
+    outputs and receives this one's inputs; a last batch sends the last action's outputs.
+
+    Every stage runs its forwards, and its backwards, in micro-batch order, so the k-th
+    activation stage s sends is the k-th that stage s + 1 receives (likewise for gradients)."""
+    actions = schedule_actions(schedule, stage, stages, microbatches)
+    steps = []
+    previous: list[P2P] = []
+    for action in actions:
+        steps.append(Step(previous + _recvs(action, stage, stages), action))
+        previous = _sends(action, stage, stages)
+    return [*steps, Step(previous, None)]
 
 
 def split_stages(n_blocks: int, stages: int, costs: list[int] | None = None) -> list[tuple[int, int]]:

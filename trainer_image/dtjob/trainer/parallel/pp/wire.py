@@ -1,10 +1,22 @@
-"""Point-to-point messages between pipeline stages: a list of tensors and a small header.
+"""Point-to-point messages between pipeline stages: batches of tensors, and headers.
 
-A message is a header (pickled: each tensor's shape, dtype and requires_grad, plus any extra
-Python value) sent as its length and its bytes over `control` (a CPU group, so reading it never
-waits for the GPU), then the tensors one by one over `comm`. Sends are asynchronous (the caller
-waits on the handles); receives block. Tags keep the kinds apart on gloo, which matches messages on
-(peer, tag); dtjob's collectives use tags >= 2**30.
+Data: all messages of one exchange (schedule.exchanges: the sends that follow one action and the
+receives that precede the next) go in one `dist.batch_isend_irecv` call, waited on before the next
+action. Under NCCL a stage's p2p operations run in issue order on one stream and a send larger
+than NCCL's buffers waits for its receive: a stage that sends before it receives, facing a peer
+that does the same, would wait forever; in one batch NCCL runs them together. Between two stages,
+messages are sent and received in the same order on both sides (micro-batch order; a message's
+tensors in order), which is how NCCL and gloo match them.
+
+Headers: an activation message's shapes are not known to its receiver, so each is preceded by a
+header (pickled: each tensor's shape, dtype and requires_grad, plus any extra Python value) sent as
+its length and its bytes over `control` (a CPU group, so it never waits for the GPU). The sender
+sends it asynchronously when it issues the batch holding the data, before waiting on anything; the
+receiver reads it, blocking, before it issues the batch that receives the data. Gradients coming
+back have the shapes of the activations that went: no header.
+
+Tags keep the kinds apart on gloo, which matches messages on (peer, tag); dtjob's collectives use
+tags >= 2**30.
 """
 
 from __future__ import annotations
@@ -19,42 +31,32 @@ from dtjob.trainer.parallel.comm import Comm, Handle
 TAG_HEADER_LEN, TAG_HEADER, TAG_TENSOR = 11, 12, 13
 
 
-def send(comm: Comm, control: Comm, tensors: list[torch.Tensor], extra: Any, dst: int) -> list[Handle]:
-    """Send `tensors` (and `extra`) to default-group rank `dst`; returns the handles to wait on."""
+def send_header(control: Comm, tensors: list[torch.Tensor], extra: Any, dst: int) -> list[Handle]:
+    """Describe `tensors` (and send `extra`) to default-group rank `dst`; the handles to wait on."""
     meta = [(tuple(t.shape), str(t.dtype).removeprefix("torch."), t.requires_grad) for t in tensors]
     blob = torch.frombuffer(bytearray(pickle.dumps((meta, extra))), dtype=torch.uint8)
     length = torch.tensor([blob.numel()], dtype=torch.int64)
-    handles = [
+    return [
         control.send(length, dst, TAG_HEADER_LEN, async_op=True),
         control.send(blob, dst, TAG_HEADER, async_op=True),
     ]
-    for t in tensors:
-        handles.append(comm.send(t.detach().contiguous(), dst, TAG_TENSOR, async_op=True))
-    return handles
 
 
-def recv(comm: Comm, control: Comm, src: int, device: torch.device) -> tuple[list[torch.Tensor], Any]:
-    """Receive what `send` sent from default-group rank `src`: the tensors on `device` (floating
-    ones that required grad on the sender require grad here) and the extra value."""
+def recv_header(control: Comm, src: int, device: torch.device) -> tuple[list[torch.Tensor], list[bool], Any]:
+    """Read a header from default-group rank `src`: empty tensors on `device` to receive the data
+    into, whether each required grad on the sender, and the extra value."""
     length = torch.empty(1, dtype=torch.int64)
     control.recv(length, src, TAG_HEADER_LEN)
     blob = torch.empty(int(length.item()), dtype=torch.uint8)
     control.recv(blob, src, TAG_HEADER)
     meta, extra = pickle.loads(blob.numpy().tobytes())
-    tensors = []
-    for shape, dtype, requires_grad in meta:
-        t = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
-        comm.recv(t, src, TAG_TENSOR)
-        tensors.append(t.requires_grad_(bool(requires_grad)))
-    return tensors, extra
+    tensors = [torch.empty(shape, dtype=getattr(torch, dtype), device=device) for shape, dtype, _ in meta]
+    return tensors, [bool(requires_grad) for _, _, requires_grad in meta], extra
 
 
-def recv_into(comm: Comm, tensors: list[torch.Tensor], src: int) -> None:
-    """Receive tensors of known shapes (gradients coming back) into `tensors`, in order."""
-    for t in tensors:
-        comm.recv(t, src, TAG_TENSOR)
-
-
-def send_tensors(comm: Comm, tensors: list[torch.Tensor], dst: int) -> list[Handle]:
-    """Send tensors whose shapes the receiver knows (gradients going back)."""
-    return [comm.send(t.detach().contiguous(), dst, TAG_TENSOR, async_op=True) for t in tensors]
+def exchange(
+    comm: Comm, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]
+) -> None:
+    """Send each (tensor, default-group rank) of `sends` and receive into each of `recvs`, as one
+    batch; returns when all are done."""
+    comm.batch_p2p([(t.detach().contiguous(), peer) for t, peer in sends], recvs, TAG_TENSOR)
