@@ -20,18 +20,22 @@ measurement. `reference(case)` trains the same model on the same global batches 
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import multiprocessing
 import os
 import tempfile
 import time
 import traceback
+import weakref
 from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_flatten
 
 from dtjob.trainer.models import GPT, MLP, GPTConfig, MLPConfig
 
@@ -157,13 +161,101 @@ def live_tensor_bytes() -> int:
     seen: set[int] = set()
     total = 0
     for obj in gc.get_objects():
-        if issubclass(type(obj), torch.Tensor) and obj.device.type == "cpu":  # type(): no __getattr__
+        # type(): no __getattr__. A wrapper subclass (FSDP2's DTensor) has no storage of its own:
+        # its local tensor is an object of its own here.
+        if (
+            issubclass(type(obj), torch.Tensor)
+            and obj.device.type == "cpu"
+            and not is_traceable_wrapper_subclass(obj)
+        ):
             storage = obj.untyped_storage()
             ptr = storage.data_ptr()
             if ptr and ptr not in seen:
                 seen.add(ptr)
                 total += storage.nbytes()
     return total
+
+
+class PeakBytes(TorchDispatchMode):
+    """Bytes of CPU tensor storages allocated while active and not yet freed: `current`, and `peak`
+    since the last `reset_peak()`.
+
+    Every op's outputs pass through here: an output storage that is none of the op's inputs' is a
+    new allocation (a view or an in-place op shares an input's), counted until its storage object
+    dies (a weakref callback; torch keeps one Python object per live storage). A storage whose size
+    changes (UntypedStorage.resize_, as ZeRO-3 and FSDP2 free and regrow gathered parameters, or an
+    op resizing its input) counts the difference. Sees what runs on this thread, which is all of a
+    CPU step (autograd runs CPU backward on the calling thread) but the collectives' own scratch.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.current = self.peak = 0
+        self._counted: dict[int, int] = {}  # storage _cdata -> bytes counted for it
+        self._refs: dict[int, weakref.ref[torch.UntypedStorage]] = {}
+        self._resize = torch.UntypedStorage.resize_
+
+    def reset_peak(self) -> None:
+        self.peak = self.current
+
+    def _add(self, storage: torch.UntypedStorage, delta: int) -> None:
+        key = storage._cdata
+        if key not in self._counted:
+            self._counted[key] = 0
+            self._refs[key] = weakref.ref(storage, lambda _, k=key: self._freed(k))
+        self._counted[key] += delta
+        self.current += delta
+        self.peak = max(self.peak, self.current)
+
+    def _freed(self, key: int) -> None:
+        self.current -= self._counted.pop(key, 0)
+        self._refs.pop(key, None)
+
+    def __enter__(self) -> PeakBytes:
+        tracker = self
+
+        def resize_(storage: torch.UntypedStorage, size: int) -> Any:
+            before = storage.nbytes()
+            result = tracker._resize(storage, size)
+            if storage.device.type == "cpu" and storage.nbytes() != before:
+                tracker._add(storage, storage.nbytes() - before)
+            return result
+
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+        super().__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.UntypedStorage.resize_ = self._resize  # type: ignore[method-assign]
+        super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        inputs = [t.untyped_storage() for t in _plain_tensors((args, kwargs or {}))]
+        sizes = {st._cdata: st.nbytes() for st in inputs}
+        out = func(*args, **(kwargs or {}))
+        for st in inputs:  # an input resized in place (out= ops, resize_)
+            if st.nbytes() != sizes[st._cdata]:
+                self._add(st, st.nbytes() - sizes[st._cdata])
+                sizes[st._cdata] = st.nbytes()
+        for t in _plain_tensors(out):
+            st = t.untyped_storage()
+            if st._cdata not in sizes and st._cdata not in self._counted:
+                self._add(st, st.nbytes())
+        return out
+
+
+def _plain_tensors(value: Any) -> list[torch.Tensor]:
+    """The CPU tensors with storage in `value`: a wrapper subclass (DTensor) by its inner tensors."""
+    out = []
+    for t in tree_flatten(value)[0]:
+        if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+            continue
+        if is_traceable_wrapper_subclass(t):
+            names, _ = t.__tensor_flatten__()
+            out += _plain_tensors([getattr(t, n) for n in names])
+        else:
+            out.append(t)
+    return out
 
 
 def _shards_to_plain(state: Any, prefix: str = "") -> dict[str, tuple[Any, int, torch.Tensor]]:
@@ -233,6 +325,15 @@ def wrap(model: nn.Module, config: dict[str, Any], hf: bool = False) -> nn.Modul
             grad_compression=config.get("grad_compression", "none"),
             mixed_precision=precision,
         )
+    if strategy == "torch-fsdp2":  # torch's own FSDP2, per-block units as fully_shard picks them
+        from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+        from dtjob.trainer.parallel.fsdp.module import auto_units
+
+        reshard = config.get("zero_stage", 3) == 3
+        for unit in auto_units(model):
+            torch_fully_shard(unit, reshard_after_forward=reshard)
+        return cast(nn.Module, torch_fully_shard(model, reshard_after_forward=reshard))
     if strategy == "fsdp":
         return fully_shard(
             model,
@@ -264,8 +365,6 @@ def _train_step(
     wrapped: Any, optimizer: Any, x: torch.Tensor, y: torch.Tensor, case: dict[str, Any]
 ) -> float:
     """One step of the user's own loop; returns the global mean loss."""
-    import contextlib
-
     config = case.get("config", {})
     if config.get("strategy") == "pipeline":
         loss = float(wrapped.step({"input_ids": x, "labels": y}) if is_hf(case) else wrapped.step(x, y))
@@ -288,10 +387,18 @@ def _train_step(
 
 
 def _run_case(case: dict[str, Any]) -> dict[str, Any]:
+    started = time.perf_counter()
+    measure = case.get("measure") == "memory"
+    baseline = live_tensor_bytes() if measure else 0
+    tracker = PeakBytes()
+    with tracker if measure else contextlib.nullcontext():
+        result = _train_case(case, tracker, baseline, started)
+    return result
+
+
+def _train_case(case: dict[str, Any], tracker: PeakBytes, baseline: int, started: float) -> dict[str, Any]:
     from dtjob.trainer.train_state import TrainState
 
-    started = time.perf_counter()
-    baseline = live_tensor_bytes() if case.get("measure") == "memory" else 0
     model = build_model(case)
     n_params = sum(p.numel() for p in model.parameters())
     dims = {n: p.dim() for n, p in model.named_parameters()}
@@ -299,37 +406,46 @@ def _run_case(case: dict[str, Any]) -> dict[str, Any]:
     wrapped = wrap(model, config, hf=is_hf(case))
     del model
     optimizer = make_optimizer(case, list(wrapped.named_parameters()), dims)
-    state = TrainState(wrapped, optimizer)
-    if case.get("load_from"):
+    # torch's FSDP2 (a comparison for memory) has no dtjob checkpoint shards.
+    state = None if config.get("strategy") == "torch-fsdp2" else TrainState(wrapped, optimizer)
+    if state is not None and case.get("load_from"):
         _wait_for(os.path.join(case["load_from"], "COMPLETE"))
         _load_checkpoint(state, case["load_from"])
-    extras = [state.extra_state()] if case.get("load_from") else []
+    extras = [state.extra_state()] if state is not None and case.get("load_from") else []
     losses = []
     memory: list[int] = []
+    tracked: list[int] = []
+    peaks: list[int] = []
     replicas = getattr(wrapped, "data_parallel_size", dist.get_world_size())
     replica = getattr(wrapped, "data_parallel_rank", dist.get_rank())
     for step in range(case.get("start_step", 0), case.get("steps", 10)):
         x, y = global_batch(case, step)
         rows = x.shape[0] // replicas
         lo = replica * rows
+        tracker.reset_peak()
         losses.append(_train_step(wrapped, optimizer, x[lo : lo + rows], y[lo : lo + rows], case))
         del x, y
         if case.get("measure") == "memory":
             memory.append(live_tensor_bytes() - baseline)
-    if case.get("save_to"):
+            tracked.append(tracker.current)
+            peaks.append(tracker.peak)
+    if state is not None and case.get("save_to"):
         os.makedirs(case["save_to"], exist_ok=True)
         saved = {"shards": _shards_to_plain(state), "extra": state.extra_state()}
         torch.save(saved, os.path.join(case["save_to"], f"rank{dist.get_rank()}.pt"))
         dist.barrier()
         if dist.get_rank() == 0:  # another world may be waiting to resume from it
             open(os.path.join(case["save_to"], "COMPLETE"), "w").close()
-    extras.append(state.extra_state())
+    if state is not None:
+        extras.append(state.extra_state())
     result: dict[str, Any] = {
         "losses": losses,
-        "shards": _shards_to_plain(state, "model."),
+        "shards": _shards_to_plain(state, "model.") if state is not None else {},
         "extras": extras,
         "n_params": n_params,
         "memory": memory,
+        "tracked": tracked,  # PeakBytes: held after each step, and the peak during it
+        "peak": peaks,
         "seconds": time.perf_counter() - started,
     }
     from dtjob.trainer.parallel import DataParallel, FullyShardedModule

@@ -8,7 +8,9 @@ stage 1: every rank keeps all parameters and all gradients; the optimizer update
     shard (optimizer state is 1/N); after backward the gradients are reduce-scattered, and the
     updated shards are all-gathered before the next forward.
 stage 2: as 1, but each unit's gradients are reduce-scattered the moment they are complete and the
-    full gradients dropped: a rank keeps only its gradient shard.
+    full gradients dropped: a rank keeps only its gradient shard. The flat copy a reduce-scatter
+    reads is freed when the next unit's backward is done, so one is in flight at a time (as FSDP2).
+    Gradient shards are new tensors each step: zero_grad() (set_to_none) frees them.
 stage 3: as 2, and the parameters too live only as shards. A unit's parameters are all-gathered
     just before its forward (the next unit's gather starts early: prefetch) and freed after; gathered
     again just before its backward (a hook on the unit's outputs) and freed once its gradients are
@@ -110,7 +112,8 @@ class FullyShardedModule(common.Wrapper):
         self._pending_gather: dict[int, Handle] = {}
         self._reductions: dict[int, tuple[torch.Tensor, torch.Tensor, Handle | None]] = {}
         self._ready: set[int] = set()
-        self._next_reduce = 0
+        self._next_reduce = 0  # _reduce_order[:_next_reduce] launched
+        self._next_finish = 0  # _reduce_order[:_next_finish] waited for and added to the shards
         self._prebackward_done: set[int] = set()
         # ZeRO-3: the most units whose full parameters were held at once during the last step.
         self.peak_gathered_units = 0
@@ -354,6 +357,7 @@ class FullyShardedModule(common.Wrapper):
         self._ready.clear()
         self._reductions.clear()
         self._next_reduce = 0
+        self._next_finish = 0
         self._prebackward_done.clear()
 
     def _on_grad_ready(self, unit: FlatUnit) -> None:
@@ -380,12 +384,17 @@ class FullyShardedModule(common.Wrapper):
                 return
             flat = grad_full
         else:
+            # The reductions launched so far had this unit's backward to run: take them in, which
+            # frees their flat gradients before this unit's is allocated. So a rank holds at most
+            # one unit's gradients and one flat gradient at a time, not every unit's flat gradient
+            # until backward ends (4 bytes per parameter more at the end of backward).
+            self._finish_launched()
+            if self.stage == 3 and unit is not self.root_unit:
+                unit.free_full()  # its backward is done: free its parameters before the copy below
             flat = unit.flatten_grads()
             for s in unit.slots:
                 s.param.grad = None
-            if self.stage == 3 and unit is not self.root_unit:
-                unit.free_full()
-        self._reductions[unit.index] = (flat, torch.empty_like(unit.grad_shard), None)
+        self._reductions[unit.index] = (flat, unit.shard.new_empty(unit.shard_len), None)
         self._ready.add(unit.index)
         self._launch_ready()
 
@@ -405,7 +414,15 @@ class FullyShardedModule(common.Wrapper):
             if unit.index not in self._ready:
                 self._unit_ready(unit)
         self._launch_ready()
-        for unit in self._reduce_order:
+        self._finish_launched()
+        self._close_step()
+
+    def _finish_launched(self) -> None:
+        """Wait for the reduce-scatters launched so far, in launch order; add each to its unit's
+        shard gradients and let go of its full flat gradient (ZeRO-2/3: freed here)."""
+        order = self._reduce_order
+        while self._next_finish < self._next_reduce:
+            unit = order[self._next_finish]
             flat, out, handle = self._reductions.pop(unit.index)
             assert handle is not None
             handle.wait()
@@ -415,7 +432,8 @@ class FullyShardedModule(common.Wrapper):
                     clip.mark(piece.param.grad, self.comm)
             if self.stage == 1:
                 flat.zero_()  # the full parameters' .grad are views of it: zero for the next step
-        self._close_step()
+            del flat
+            self._next_finish += 1
 
 
 def auto_units(model: nn.Module) -> list[nn.Module]:
