@@ -161,6 +161,13 @@ def peak_cases() -> list[dict[str, Any]]:
     ]
 
 
+def release_cases() -> list[dict[str, Any]]:
+    """Train 2 steps, drop the wrapped model and its optimizer: is everything freed?"""
+    cases = [_c("release-ddp", strategy="ddp", collective="native")]
+    cases += [_c(f"release-zero{s}", strategy="fsdp", zero_stage=s, collective="native") for s in (1, 2, 3)]
+    return [{**c, "steps": 2, "measure": "release"} for c in cases]
+
+
 # Resharding: train 5 steps at world 2 and save; resume at world 3 or 4 for steps 5..9.
 SAVES = [
     {**_c("save-ddp", strategy="ddp", collective="native"), "steps": 5},
@@ -195,7 +202,7 @@ def cases_for(world: int) -> list[dict[str, Any]]:
     if world in (2, 4):
         cases += memory_cases()
     if world == 2:
-        cases += LOSSY_CASES + peak_cases()
+        cases += LOSSY_CASES + peak_cases() + release_cases()
     return cases + resume_cases(world)
 
 

@@ -4,7 +4,8 @@ Spawning a process group costs seconds on this machine, so each `run_world(world
 spawns the group once and runs many cases in it. A case is a plain dict (picklable):
 
     name, model ("gpt" | "mlp"), config (see `wrap`), steps, batch (global batch size),
-    optimizer ("adamw" | "sgd"), lr, measure ("memory" | None),
+    optimizer ("adamw" | "sgd"), lr, measure ("memory": bytes held between steps and the peak
+    during each; "release": whether the dropped model and optimizer are freed; or None),
     tie (mlp only: its two hidden layers share one weight, a parameter tied across blocks)
 
 config: strategy ("ddp" | "fsdp" | "pipeline") and the wrappers' options (zero_stage, collective,
@@ -388,24 +389,46 @@ def _train_step(
 
 def _run_case(case: dict[str, Any]) -> dict[str, Any]:
     started = time.perf_counter()
-    measure = case.get("measure") == "memory"
-    baseline = live_tensor_bytes() if measure else 0
+    measure = case.get("measure")
+    baseline = live_tensor_bytes() if measure in ("memory", "release") else 0
     tracker = PeakBytes()
-    with tracker if measure else contextlib.nullcontext():
-        result = _train_case(case, tracker, baseline, started)
+    if measure == "release":
+        gc.disable()  # what refcounting alone frees, without a collection in between
+    try:
+        with tracker if measure == "memory" else contextlib.nullcontext():
+            result = _train_case(case, tracker, baseline, started)
+        # _train_case has returned: the model, its wrapper and the optimizer are dropped.
+        refs: dict[str, weakref.ref[Any]] = result.pop("refs", {})
+        result["alive_without_gc"] = sorted(k for k, r in refs.items() if r() is not None)
+    finally:
+        gc.enable()
+    if measure == "release":
+        gc.collect()
+        result["alive_after_gc"] = sorted(k for k, r in refs.items() if r() is not None)
+        # What the result itself carries (the checkpoint shards' copies) is no leak.
+        result["held_after_release"] = live_tensor_bytes() - baseline - _tensor_bytes(result)
     return result
+
+
+def _tensor_bytes(value: Any) -> int:
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in _plain_tensors(value)}
+    return sum(storages.values())
 
 
 def _train_case(case: dict[str, Any], tracker: PeakBytes, baseline: int, started: float) -> dict[str, Any]:
     from dtjob.trainer.train_state import TrainState
 
     model = build_model(case)
+    refs: dict[str, weakref.ref[Any]] = {"module": weakref.ref(model)}
+    refs["parameter"] = weakref.ref(next(model.parameters()))
     n_params = sum(p.numel() for p in model.parameters())
     dims = {n: p.dim() for n, p in model.named_parameters()}
     config = case.get("config", {})
     wrapped = wrap(model, config, hf=is_hf(case))
     del model
     optimizer = make_optimizer(case, list(wrapped.named_parameters()), dims)
+    refs |= {"wrapper": weakref.ref(wrapped), "optimizer": weakref.ref(optimizer)}
+    refs["optimizer's parameter"] = weakref.ref(optimizer.param_groups[0]["params"][0])
     # torch's FSDP2 (a comparison for memory) has no dtjob checkpoint shards.
     state = None if config.get("strategy") == "torch-fsdp2" else TrainState(wrapped, optimizer)
     if state is not None and case.get("load_from"):
@@ -446,6 +469,7 @@ def _train_case(case: dict[str, Any], tracker: PeakBytes, baseline: int, started
         "memory": memory,
         "tracked": tracked,  # PeakBytes: held after each step, and the peak during it
         "peak": peaks,
+        "refs": refs if case.get("measure") == "release" else {},
         "seconds": time.perf_counter() - started,
     }
     from dtjob.trainer.parallel import DataParallel, FullyShardedModule

@@ -102,6 +102,21 @@ def test_peak_bytes_of_a_step_stay_within_one_unit_and_fsdp2(stage: int) -> None
         assert peak <= bound, f"rank {rank}: ZeRO-{stage} peak {peak} > formula + units {bound}"
 
 
+@pytest.mark.parametrize("name", [c["name"] for c in pc.release_cases()])
+def test_a_dropped_wrapped_model_and_its_optimizer_are_freed(name: str) -> None:
+    """After 2 steps the case's last references go (the wrapper, the module, the optimizer): the
+    wrapper's hooks on parameters and submodules hold it only weakly, so refcounting alone frees
+    the wrapper, the module, a parameter, the optimizer and a parameter it steps, and the tensor
+    bytes held return to what they were before the model was built. A hook holding the wrapper
+    kept all of it alive, even through gc.collect(): a model's memory lost per model built."""
+    for rank, result in enumerate(pc.results(2)):
+        r: dict[str, Any] = result[name]
+        assert "error" not in r, r.get("error")
+        assert r["alive_without_gc"] == [], f"rank {rank}: refcounting did not free {r['alive_without_gc']}"
+        assert r["alive_after_gc"] == [], f"rank {rank}: gc.collect() did not free {r['alive_after_gc']}"
+        assert r["held_after_release"] == 0, f"rank {rank}: {r['held_after_release']} bytes still held"
+
+
 @pytest.mark.parametrize(
     ("world", "name"), [(w, c["name"]) for w in (3, 4) for c in pc.resume_cases(w) if "pp" not in c["name"]]
 )

@@ -94,16 +94,17 @@ class FullyShardedModule(common.Wrapper):
             for attr, p in list(sub._parameters.items()):
                 if p is not None and id(p) in piece_of:
                     self._registrations.append((sub, attr, p, piece_of[id(p)].param))
+        # Hooks reach this wrapper and its units weakly, by unit index (see common.weak_hook).
         for unit in self.units:
             for s in unit.slots:
-                s.param.register_post_accumulate_grad_hook(lambda p, u=unit: self._on_grad_ready(u))
+                s.param.register_post_accumulate_grad_hook(common.weak_hook(self, "_grad_hook", unit.index))
             if self.stage == 3:
                 unit.free_full()
         if self.stage == 1:
             self._grad_full = {u.index: torch.zeros_like(u.full) for u in self.units}
         for unit, sub in zip(self.block_units, self._unit_modules, strict=True):
-            sub.register_forward_pre_hook(lambda m, a, u=unit: self._pre_forward(u))
-            sub.register_forward_hook(lambda m, a, out, u=unit: self._post_forward(u, out))
+            sub.register_forward_pre_hook(common.weak_hook(self, "_pre_forward_hook", unit.index))
+            sub.register_forward_hook(common.weak_hook(self, "_post_forward_hook", unit.index))
         clip.install()
         self._sync = True
         self._step_open = False  # the full parameters are registered (a forward ran, backward pending)
@@ -311,6 +312,19 @@ class FullyShardedModule(common.Wrapper):
         pos = self._position[unit.index] + step
         return self.block_units[pos] if 0 <= pos < len(self.block_units) else None
 
+    # -- hooks (common.weak_hook), by unit index ---------------------------------------------------
+    def _grad_hook(self, index: int, param: torch.Tensor) -> None:
+        self._on_grad_ready(self.units[index])
+
+    def _pre_forward_hook(self, index: int, module: nn.Module, args: Any) -> None:
+        self._pre_forward(self.units[index])
+
+    def _post_forward_hook(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
+        self._post_forward(self.units[index], output)
+
+    def _pre_backward_hook(self, index: int, grad: torch.Tensor) -> None:
+        self._pre_backward(self.units[index])
+
     def _pre_forward(self, unit: FlatUnit) -> None:
         if not self._step_open:
             raise RuntimeError(
@@ -330,7 +344,7 @@ class FullyShardedModule(common.Wrapper):
         if not self._in_backward and self.stage == 3:
             for t in common.tensors_in(output):
                 if t.requires_grad:
-                    t.register_hook(lambda grad, u=unit: self._pre_backward(u))
+                    t.register_hook(common.weak_hook(self, "_pre_backward_hook", unit.index))
         # The last unit's backward comes first: keep it instead of gathering it straight back.
         if self.stage == 3 and not self._in_backward and self._neighbour(unit, 1) is not None:
             unit.free_full()
