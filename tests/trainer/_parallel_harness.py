@@ -8,7 +8,8 @@ spawns the group once and runs many cases in it. A case is a plain dict (picklab
     during each; "release": whether the dropped model and optimizer are freed; or None),
     tie (mlp only: its two hidden layers share one weight, a parameter tied across blocks)
 
-config: strategy ("ddp" | "fsdp" | "pipeline") and the wrappers' options (zero_stage, collective,
+config: strategy ("ddp" | "fsdp" | "pipeline" | "torch-fsdp2": torch's FSDP2 on fully_shard's
+units, a yardstick for memory) and the wrappers' options (zero_stage, collective,
 ddp_bucket_mb, ddp_first_bucket_mb, grad_compression, precision, zero3_prefetch, pipeline_stages,
 microbatches, schedule), plus what the training loop does: grad_accum (no_sync micro-steps),
 grad_clip (torch.nn.utils.clip_grad_norm_), activation_checkpointing.
@@ -411,6 +412,7 @@ def _run_case(case: dict[str, Any]) -> dict[str, Any]:
 
 
 def _tensor_bytes(value: Any) -> int:
+    """Bytes of the distinct storages of the CPU tensors inside `value`."""
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in _plain_tensors(value)}
     return sum(storages.values())
 
