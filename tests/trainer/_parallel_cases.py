@@ -142,6 +142,32 @@ def memory_cases() -> list[dict[str, Any]]:
     return [{**c, "model_kwargs": MEMORY_MODEL, "steps": 2, "measure": "memory"} for c in cases]
 
 
+# Peak bytes during a step: an MLP whose 4 hidden layers (37K parameters each) dwarf its
+# activations at 2 samples per rank (0.4K floats a layer), so the peak is set by how long
+# gradients and gathered parameters live. torch's own FSDP2 on the same per-block units is the yardstick.
+PEAK_MLP = {"inputs": 16, "hidden": 192, "classes": 8, "depth": 6}
+
+
+def peak_cases() -> list[dict[str, Any]]:
+    cases = []
+    for stage in (2, 3):
+        cases.append(_c(f"peak-zero{stage}", strategy="fsdp", zero_stage=stage, collective="native"))
+        # FSDP2 resharding after forward is ZeRO-3; keeping the gathered parameters until the
+        # backward is the nearest it comes to ZeRO-2 (whose parameters stay whole).
+        cases.append(_c(f"peak-fsdp2-{stage}", strategy="torch-fsdp2", zero_stage=stage))
+    return [
+        {**c, "model": "mlp", "model_kwargs": PEAK_MLP, "batch": 4, "steps": 2, "measure": "memory"}
+        for c in cases
+    ]
+
+
+def release_cases() -> list[dict[str, Any]]:
+    """Train 2 steps, drop the wrapped model and its optimizer: is everything freed?"""
+    cases = [_c("release-ddp", strategy="ddp", collective="native")]
+    cases += [_c(f"release-zero{s}", strategy="fsdp", zero_stage=s, collective="native") for s in (1, 2, 3)]
+    return [{**c, "steps": 2, "measure": "release"} for c in cases]
+
+
 # Resharding: train 5 steps at world 2 and save; resume at world 3 or 4 for steps 5..9.
 SAVES = [
     {**_c("save-ddp", strategy="ddp", collective="native"), "steps": 5},
@@ -176,7 +202,7 @@ def cases_for(world: int) -> list[dict[str, Any]]:
     if world in (2, 4):
         cases += memory_cases()
     if world == 2:
-        cases += LOSSY_CASES
+        cases += LOSSY_CASES + peak_cases() + release_cases()
     return cases + resume_cases(world)
 
 

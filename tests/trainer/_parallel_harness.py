@@ -4,12 +4,14 @@ Spawning a process group costs seconds on this machine, so each `run_world(world
 spawns the group once and runs many cases in it. A case is a plain dict (picklable):
 
     name, model ("gpt" | "mlp"), config (see `wrap`), steps, batch (global batch size),
-    optimizer ("adamw" | "sgd"), lr, measure ("memory" | None),
+    optimizer ("adamw" | "sgd"), lr, measure ("memory": bytes held between steps and the peak
+    during each; "release": whether the dropped model and optimizer are freed; or None),
     tie (mlp only: its two hidden layers share one weight, a parameter tied across blocks),
     trace_p2p (record the point-to-point calls of the training steps: result["p2p"]),
     overflow ((step, rank): that rank makes one of its gradients inf at that step)
 
-config: strategy ("ddp" | "fsdp" | "pipeline") and the wrappers' options (zero_stage, collective,
+config: strategy ("ddp" | "fsdp" | "pipeline" | "torch-fsdp2": torch's FSDP2 on fully_shard's
+units, a yardstick for memory) and the wrappers' options (zero_stage, collective,
 ddp_bucket_mb, ddp_first_bucket_mb, grad_compression, precision, zero3_prefetch, pipeline_stages,
 microbatches, schedule), plus what the training loop does: grad_accum (no_sync micro-steps),
 grad_clip (torch.nn.utils.clip_grad_norm_), activation_checkpointing. precision "fp16" trains
@@ -31,6 +33,7 @@ import os
 import tempfile
 import time
 import traceback
+import weakref
 from typing import Any, cast
 
 import torch
@@ -38,6 +41,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_flatten
 
 from dtjob.trainer.models import GPT, MLP, GPTConfig, MLPConfig
 from tests.trainer._p2p_check import Recorder
@@ -164,13 +169,101 @@ def live_tensor_bytes() -> int:
     seen: set[int] = set()
     total = 0
     for obj in gc.get_objects():
-        if issubclass(type(obj), torch.Tensor) and obj.device.type == "cpu":  # type(): no __getattr__
+        # type(): no __getattr__. A wrapper subclass (FSDP2's DTensor) has no storage of its own:
+        # its local tensor is an object of its own here.
+        if (
+            issubclass(type(obj), torch.Tensor)
+            and obj.device.type == "cpu"
+            and not is_traceable_wrapper_subclass(obj)
+        ):
             storage = obj.untyped_storage()
             ptr = storage.data_ptr()
             if ptr and ptr not in seen:
                 seen.add(ptr)
                 total += storage.nbytes()
     return total
+
+
+class PeakBytes(TorchDispatchMode):
+    """Bytes of CPU tensor storages allocated while active and not yet freed: `current`, and `peak`
+    since the last `reset_peak()`.
+
+    Every op's outputs pass through here: an output storage that is none of the op's inputs' is a
+    new allocation (a view or an in-place op shares an input's), counted until its storage object
+    dies (a weakref callback; torch keeps one Python object per live storage). A storage whose size
+    changes (UntypedStorage.resize_, as ZeRO-3 and FSDP2 free and regrow gathered parameters, or an
+    op resizing its input) counts the difference. Sees what runs on this thread, which is all of a
+    CPU step (autograd runs CPU backward on the calling thread) but the collectives' own scratch.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.current = self.peak = 0
+        self._counted: dict[int, int] = {}  # storage _cdata -> bytes counted for it
+        self._refs: dict[int, weakref.ref[torch.UntypedStorage]] = {}
+        self._resize = torch.UntypedStorage.resize_
+
+    def reset_peak(self) -> None:
+        self.peak = self.current
+
+    def _add(self, storage: torch.UntypedStorage, delta: int) -> None:
+        key = storage._cdata
+        if key not in self._counted:
+            self._counted[key] = 0
+            self._refs[key] = weakref.ref(storage, lambda _, k=key: self._freed(k))
+        self._counted[key] += delta
+        self.current += delta
+        self.peak = max(self.peak, self.current)
+
+    def _freed(self, key: int) -> None:
+        self.current -= self._counted.pop(key, 0)
+        self._refs.pop(key, None)
+
+    def __enter__(self) -> PeakBytes:
+        tracker = self
+
+        def resize_(storage: torch.UntypedStorage, size: int) -> Any:
+            before = storage.nbytes()
+            result = tracker._resize(storage, size)
+            if storage.device.type == "cpu" and storage.nbytes() != before:
+                tracker._add(storage, storage.nbytes() - before)
+            return result
+
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+        super().__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.UntypedStorage.resize_ = self._resize  # type: ignore[method-assign]
+        super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        inputs = [t.untyped_storage() for t in _plain_tensors((args, kwargs or {}))]
+        sizes = {st._cdata: st.nbytes() for st in inputs}
+        out = func(*args, **(kwargs or {}))
+        for st in inputs:  # an input resized in place (out= ops, resize_)
+            if st.nbytes() != sizes[st._cdata]:
+                self._add(st, st.nbytes() - sizes[st._cdata])
+                sizes[st._cdata] = st.nbytes()
+        for t in _plain_tensors(out):
+            st = t.untyped_storage()
+            if st._cdata not in sizes and st._cdata not in self._counted:
+                self._add(st, st.nbytes())
+        return out
+
+
+def _plain_tensors(value: Any) -> list[torch.Tensor]:
+    """The CPU tensors with storage in `value`: a wrapper subclass (DTensor) by its inner tensors."""
+    out = []
+    for t in tree_flatten(value)[0]:
+        if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+            continue
+        if is_traceable_wrapper_subclass(t):
+            names, _ = t.__tensor_flatten__()
+            out += _plain_tensors([getattr(t, n) for n in names])
+        else:
+            out.append(t)
+    return out
 
 
 def _shards_to_plain(state: Any, prefix: str = "") -> dict[str, tuple[Any, int, torch.Tensor]]:
@@ -240,6 +333,15 @@ def wrap(model: nn.Module, config: dict[str, Any], hf: bool = False) -> nn.Modul
             grad_compression=config.get("grad_compression", "none"),
             mixed_precision=precision,
         )
+    if strategy == "torch-fsdp2":  # torch's own FSDP2, per-block units as fully_shard picks them
+        from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+        from dtjob.trainer.parallel.fsdp.module import auto_units
+
+        reshard = config.get("zero_stage", 3) == 3
+        for unit in auto_units(model):
+            torch_fully_shard(unit, reshard_after_forward=reshard)
+        return cast(nn.Module, torch_fully_shard(model, reshard_after_forward=reshard))
     if strategy == "fsdp":
         return fully_shard(
             model,
@@ -313,24 +415,58 @@ def _train_step(
 
 
 def _run_case(case: dict[str, Any]) -> dict[str, Any]:
+    started = time.perf_counter()
+    measure = case.get("measure")
+    baseline = live_tensor_bytes() if measure in ("memory", "release") else 0
+    tracker = PeakBytes()
+    if measure == "release":
+        gc.disable()  # what refcounting alone frees, without a collection in between
+    try:
+        with tracker if measure == "memory" else contextlib.nullcontext():
+            result = _train_case(case, tracker, baseline, started)
+        # _train_case has returned: the model, its wrapper and the optimizer are dropped.
+        refs: dict[str, weakref.ref[Any]] = result.pop("refs", {})
+        result["alive_without_gc"] = sorted(k for k, r in refs.items() if r() is not None)
+    finally:
+        gc.enable()
+    if measure == "release":
+        gc.collect()
+        result["alive_after_gc"] = sorted(k for k, r in refs.items() if r() is not None)
+        # What the result itself carries (the checkpoint shards' copies) is no leak.
+        result["held_after_release"] = live_tensor_bytes() - baseline - _tensor_bytes(result)
+    return result
+
+
+def _tensor_bytes(value: Any) -> int:
+    """Bytes of the distinct storages of the CPU tensors inside `value`."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in _plain_tensors(value)}
+    return sum(storages.values())
+
+
+def _train_case(case: dict[str, Any], tracker: PeakBytes, baseline: int, started: float) -> dict[str, Any]:
     from dtjob.trainer.train_state import TrainState
 
-    started = time.perf_counter()
-    baseline = live_tensor_bytes() if case.get("measure") == "memory" else 0
     model = build_model(case)
+    refs: dict[str, weakref.ref[Any]] = {"module": weakref.ref(model)}
+    refs["parameter"] = weakref.ref(next(model.parameters()))
     n_params = sum(p.numel() for p in model.parameters())
     dims = {n: p.dim() for n, p in model.named_parameters()}
     config = case.get("config", {})
     wrapped = wrap(model, config, hf=is_hf(case))
     del model
     optimizer = make_optimizer(case, list(wrapped.named_parameters()), dims)
-    state = TrainState(wrapped, optimizer)
-    if case.get("load_from"):
+    refs |= {"wrapper": weakref.ref(wrapped), "optimizer": weakref.ref(optimizer)}
+    refs["optimizer's parameter"] = weakref.ref(optimizer.param_groups[0]["params"][0])
+    # torch's FSDP2 (a comparison for memory) has no dtjob checkpoint shards.
+    state = None if config.get("strategy") == "torch-fsdp2" else TrainState(wrapped, optimizer)
+    if state is not None and case.get("load_from"):
         _wait_for(os.path.join(case["load_from"], "COMPLETE"))
         _load_checkpoint(state, case["load_from"])
-    extras = [state.extra_state()] if case.get("load_from") else []
+    extras = [state.extra_state()] if state is not None and case.get("load_from") else []
     losses = []
     memory: list[int] = []
+    tracked: list[int] = []
+    peaks: list[int] = []
     replicas = getattr(wrapped, "data_parallel_size", dist.get_world_size())
     replica = getattr(wrapped, "data_parallel_rank", dist.get_rank())
     recorder = Recorder() if case.get("trace_p2p") else None  # see _p2p_check.py
@@ -343,6 +479,7 @@ def _run_case(case: dict[str, Any]) -> dict[str, Any]:
             lo = replica * rows
             overflow = case.get("overflow") == (step, dist.get_rank())
             x, y = x[lo : lo + rows], y[lo : lo + rows]
+            tracker.reset_peak()
             losses.append(_train_step(wrapped, optimizer, x, y, case, scaler, overflow))
             del x, y
             if scaler is not None:
@@ -351,20 +488,26 @@ def _run_case(case: dict[str, Any]) -> dict[str, Any]:
                 optimizer_steps.append(int(optimizer.state.get(first, {}).get("step", 0)))
             if case.get("measure") == "memory":
                 memory.append(live_tensor_bytes() - baseline)
-    if case.get("save_to"):
+                tracked.append(tracker.current)
+                peaks.append(tracker.peak)
+    if state is not None and case.get("save_to"):
         os.makedirs(case["save_to"], exist_ok=True)
         saved = {"shards": _shards_to_plain(state), "extra": state.extra_state()}
         torch.save(saved, os.path.join(case["save_to"], f"rank{dist.get_rank()}.pt"))
         dist.barrier()
         if dist.get_rank() == 0:  # another world may be waiting to resume from it
             open(os.path.join(case["save_to"], "COMPLETE"), "w").close()
-    extras.append(state.extra_state())
+    if state is not None:
+        extras.append(state.extra_state())
     result: dict[str, Any] = {
         "losses": losses,
-        "shards": _shards_to_plain(state, "model."),
+        "shards": _shards_to_plain(state, "model.") if state is not None else {},
         "extras": extras,
         "n_params": n_params,
         "memory": memory,
+        "tracked": tracked,  # PeakBytes: held after each step, and the peak during it
+        "peak": peaks,
+        "refs": refs if case.get("measure") == "release" else {},
         "seconds": time.perf_counter() - started,
     }
     from dtjob.trainer.parallel import DataParallel, FullyShardedModule

@@ -4,6 +4,7 @@ activation checkpointing."""
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -165,3 +166,21 @@ def queue_after_backward(callback: Callable[[], None]) -> None:
     """Run `callback` once the current backward pass has finished (from inside a backward hook),
     before `loss.backward()` returns: how torch's DDP finishes its reduction."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def weak_hook(owner: object, method: str, *bound: Any) -> Callable[..., Any]:
+    """A hook calling `owner.<method>(*bound, *hook_args)` through a weak reference to `owner`; a
+    no-op once `owner` is gone.
+
+    For the hooks a wrapper puts on the parameters and submodules of the module it holds: a hook
+    holding the wrapper closes a cycle (wrapper -> module -> parameter -> hook -> wrapper), and a
+    tensor's hooks are referenced from C++, where gc.collect() cannot see them, so every wrapped
+    model built would stay in memory with its gradients and optimizer-facing shards. `bound` must
+    not hold the module's tensors either (pass indices, not objects that hold parameters)."""
+    ref = weakref.ref(owner)
+
+    def hook(*args: Any) -> Any:
+        target = ref()
+        return None if target is None else getattr(target, method)(*bound, *args)
+
+    return hook

@@ -75,7 +75,7 @@ class DataParallel(common.Wrapper):
         for bucket in self.buckets:
             for i, p in enumerate(bucket.params):
                 self._where[id(p)] = (bucket, i)
-                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+                p.register_post_accumulate_grad_hook(common.weak_hook(self, "_on_grad_ready"))
         self._sync = True  # the no_sync() context
         self._sync_this_backward = True  # what the last forward saw
         self._prepared = False  # a forward ran whose backward has not finished

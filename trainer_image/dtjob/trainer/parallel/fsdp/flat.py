@@ -38,7 +38,7 @@ class ShardPiece:
     start: int  # first element of the piece within the flattened parameter
     at: int  # where the piece starts within this rank's shard
     length: int
-    param: nn.Parameter  # what the optimizer holds: a view of FlatUnit.shard (grad: of grad_shard)
+    param: nn.Parameter  # what the optimizer holds: a view of FlatUnit.shard (grad: of a reduced shard)
 
 
 class FlatUnit:
@@ -74,7 +74,6 @@ class FlatUnit:
             s.param.data = self.full[s.offset : s.offset + s.numel].view(s.shape)
         lo, hi = self.shard_range
         self.shard = self.full[lo:hi].clone() if stage == 3 else self.full[lo:hi]
-        self.grad_shard = torch.zeros(self.shard_len, dtype=self.dtype, device=self.device)
         self.pieces = [self._piece(s) for s in slots]
         self.gathered = True
         self.grads_pending = len(slots)
@@ -112,19 +111,15 @@ class FlatUnit:
         return flat
 
     def add_to_shard_grads(self, reduced: torch.Tensor) -> None:
-        """Add this rank's reduced shard to its pieces' gradients, as autograd accumulates: a piece
-        whose .grad is None (after zero_grad(set_to_none=True)) starts from the reduced values."""
-        views = [self.grad_shard[p.at : p.at + p.length] for p in self.pieces]
-        if all(p.param.grad is None for p in self.pieces):
-            self.grad_shard.copy_(reduced)
-            for piece, view in zip(self.pieces, views, strict=True):
-                piece.param.grad = view
-            return
-        for piece, view in zip(self.pieces, views, strict=True):
+        """Add this rank's reduced shard (length shard_len) to its pieces' gradients, as autograd
+        accumulates: a piece whose .grad is None (after zero_grad(set_to_none=True)) takes its view
+        of `reduced`. The unit keeps no gradient buffer of its own, so the gradient shard lives from
+        the backward to zero_grad(), as in one process and in FSDP2: 4/N bytes per parameter that
+        are not held between steps nor during the forward."""
+        for piece in self.pieces:
             values = reduced[piece.at : piece.at + piece.length]
             grad = piece.param.grad
             if grad is None:
-                view.copy_(values)
-                piece.param.grad = view
+                piece.param.grad = values
             else:
                 grad.add_(values)

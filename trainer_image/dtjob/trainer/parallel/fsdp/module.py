@@ -8,7 +8,9 @@ stage 1: every rank keeps all parameters and all gradients; the optimizer update
     shard (optimizer state is 1/N); after backward the gradients are reduce-scattered, and the
     updated shards are all-gathered before the next forward.
 stage 2: as 1, but each unit's gradients are reduce-scattered the moment they are complete and the
-    full gradients dropped: a rank keeps only its gradient shard.
+    full gradients dropped: a rank keeps only its gradient shard. The flat copy a reduce-scatter
+    reads is freed when the next unit's backward is done, so one is in flight at a time (as FSDP2).
+    Gradient shards are new tensors each step: zero_grad() (set_to_none) frees them.
 stage 3: as 2, and the parameters too live only as shards. A unit's parameters are all-gathered
     just before its forward (the next unit's gather starts early: prefetch) and freed after; gathered
     again just before its backward (a hook on the unit's outputs) and freed once its gradients are
@@ -92,16 +94,17 @@ class FullyShardedModule(common.Wrapper):
             for attr, p in list(sub._parameters.items()):
                 if p is not None and id(p) in piece_of:
                     self._registrations.append((sub, attr, p, piece_of[id(p)].param))
+        # Hooks reach this wrapper and its units weakly, by unit index (see common.weak_hook).
         for unit in self.units:
             for s in unit.slots:
-                s.param.register_post_accumulate_grad_hook(lambda p, u=unit: self._on_grad_ready(u))
+                s.param.register_post_accumulate_grad_hook(common.weak_hook(self, "_grad_hook", unit.index))
             if self.stage == 3:
                 unit.free_full()
         if self.stage == 1:
             self._grad_full = {u.index: torch.zeros_like(u.full) for u in self.units}
         for unit, sub in zip(self.block_units, self._unit_modules, strict=True):
-            sub.register_forward_pre_hook(lambda m, a, u=unit: self._pre_forward(u))
-            sub.register_forward_hook(lambda m, a, out, u=unit: self._post_forward(u, out))
+            sub.register_forward_pre_hook(common.weak_hook(self, "_pre_forward_hook", unit.index))
+            sub.register_forward_hook(common.weak_hook(self, "_post_forward_hook", unit.index))
         clip.install()
         self._sync = True
         self._step_open = False  # the full parameters are registered (a forward ran, backward pending)
@@ -110,7 +113,8 @@ class FullyShardedModule(common.Wrapper):
         self._pending_gather: dict[int, Handle] = {}
         self._reductions: dict[int, tuple[torch.Tensor, torch.Tensor, Handle | None]] = {}
         self._ready: set[int] = set()
-        self._next_reduce = 0
+        self._next_reduce = 0  # _reduce_order[:_next_reduce] launched
+        self._next_finish = 0  # _reduce_order[:_next_finish] waited for and added to the shards
         self._prebackward_done: set[int] = set()
         # ZeRO-3: the most units whose full parameters were held at once during the last step.
         self.peak_gathered_units = 0
@@ -308,6 +312,19 @@ class FullyShardedModule(common.Wrapper):
         pos = self._position[unit.index] + step
         return self.block_units[pos] if 0 <= pos < len(self.block_units) else None
 
+    # -- hooks (common.weak_hook), by unit index ---------------------------------------------------
+    def _grad_hook(self, index: int, param: torch.Tensor) -> None:
+        self._on_grad_ready(self.units[index])
+
+    def _pre_forward_hook(self, index: int, module: nn.Module, args: Any) -> None:
+        self._pre_forward(self.units[index])
+
+    def _post_forward_hook(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
+        self._post_forward(self.units[index], output)
+
+    def _pre_backward_hook(self, index: int, grad: torch.Tensor) -> None:
+        self._pre_backward(self.units[index])
+
     def _pre_forward(self, unit: FlatUnit) -> None:
         if not self._step_open:
             raise RuntimeError(
@@ -327,7 +344,7 @@ class FullyShardedModule(common.Wrapper):
         if not self._in_backward and self.stage == 3:
             for t in common.tensors_in(output):
                 if t.requires_grad:
-                    t.register_hook(lambda grad, u=unit: self._pre_backward(u))
+                    t.register_hook(common.weak_hook(self, "_pre_backward_hook", unit.index))
         # The last unit's backward comes first: keep it instead of gathering it straight back.
         if self.stage == 3 and not self._in_backward and self._neighbour(unit, 1) is not None:
             unit.free_full()
@@ -354,6 +371,7 @@ class FullyShardedModule(common.Wrapper):
         self._ready.clear()
         self._reductions.clear()
         self._next_reduce = 0
+        self._next_finish = 0
         self._prebackward_done.clear()
 
     def _on_grad_ready(self, unit: FlatUnit) -> None:
@@ -380,12 +398,17 @@ class FullyShardedModule(common.Wrapper):
                 return
             flat = grad_full
         else:
+            # The reductions launched so far had this unit's backward to run: take them in, which
+            # frees their flat gradients before this unit's is allocated. So a rank holds at most
+            # one unit's gradients and one flat gradient at a time, not every unit's flat gradient
+            # until backward ends (4 bytes per parameter more at the end of backward).
+            self._finish_launched()
+            if self.stage == 3 and unit is not self.root_unit:
+                unit.free_full()  # its backward is done: free its parameters before the copy below
             flat = unit.flatten_grads()
             for s in unit.slots:
                 s.param.grad = None
-            if self.stage == 3 and unit is not self.root_unit:
-                unit.free_full()
-        self._reductions[unit.index] = (flat, torch.empty_like(unit.grad_shard), None)
+        self._reductions[unit.index] = (flat, unit.shard.new_empty(unit.shard_len), None)
         self._ready.add(unit.index)
         self._launch_ready()
 
@@ -405,7 +428,15 @@ class FullyShardedModule(common.Wrapper):
             if unit.index not in self._ready:
                 self._unit_ready(unit)
         self._launch_ready()
-        for unit in self._reduce_order:
+        self._finish_launched()
+        self._close_step()
+
+    def _finish_launched(self) -> None:
+        """Wait for the reduce-scatters launched so far, in launch order; add each to its unit's
+        shard gradients and let go of its full flat gradient (ZeRO-2/3: freed here)."""
+        order = self._reduce_order
+        while self._next_finish < self._next_reduce:
+            unit = order[self._next_finish]
             flat, out, handle = self._reductions.pop(unit.index)
             assert handle is not None
             handle.wait()
@@ -415,7 +446,8 @@ class FullyShardedModule(common.Wrapper):
                     clip.mark(piece.param.grad, self.comm)
             if self.stage == 1:
                 flat.zero_()  # the full parameters' .grad are views of it: zero for the next step
-        self._close_step()
+            del flat
+            self._next_finish += 1
 
 
 def auto_units(model: nn.Module) -> list[nn.Module]:
