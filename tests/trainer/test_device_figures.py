@@ -1,0 +1,73 @@
+"""The GPU path's figures and device choices as pure functions, on the CPU (#41): step times on the
+device's timeline, FLOPs per token and the peak they are divided by, where a batch is pinned and
+where a reported loss is all-reduced."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dtjob.trainer.flops import flops_per_token, peak_flops, peak_tflops_of
+
+CPU = torch.device("cpu")
+
+# --- FLOPs and peaks -------------------------------------------------------------------------------
+
+
+def test_flops_per_token_adds_the_attention_term_to_six_per_parameter() -> None:
+    # GPT-3 125M's shape (12 layers, width 768, 2,048 tokens): 6N + 12 * L * s * d (PaLM, app. B).
+    n = 125_000_000
+    assert flops_per_token(n, layers=12, seq_len=2048, width=768) == 6 * n + 12 * 12 * 2048 * 768
+    assert flops_per_token(n) == 6 * n  # not a transformer: the parameters only
+
+
+@pytest.mark.parametrize(
+    ("name", "precision", "tf32", "tflops"),
+    [
+        ("NVIDIA H100 80GB HBM3", "fp32", False, 67.0),  # plain FP32: TF32 is off by default
+        ("NVIDIA H100 80GB HBM3", "fp32", True, 494.0),
+        ("NVIDIA H100 80GB HBM3", "bf16", False, 989.0),
+        ("NVIDIA H200", "fp32", False, 67.0),
+        ("NVIDIA H200", "fp16", True, 989.0),
+        ("NVIDIA H100 PCIe", "fp32", False, 51.0),
+        ("NVIDIA H100 PCIe", "bf16", False, 756.0),
+        ("NVIDIA A100-SXM4-80GB", "fp32", False, 19.5),
+        ("NVIDIA A100-SXM4-80GB", "fp32", True, 156.0),
+        ("NVIDIA GeForce GTX 1080", "bf16", False, 0.0),  # not in the table: no MFU
+    ],
+)
+def test_the_peak_is_the_precision_the_matmuls_run_in(
+    name: str, precision: str, tf32: bool, tflops: float
+) -> None:
+    assert peak_tflops_of(name, precision, tf32) == tflops
+
+
+def test_no_peak_on_the_cpu_unless_given() -> None:
+    assert peak_flops(CPU, "fp32") == 0.0
+    assert peak_flops(CPU, "bf16", peak_tflops=100.0) == 100e12
+
+
+def test_tf32_follows_the_flags_torch_reads() -> None:
+    """Each of torch's ways to allow TF32 (legacy flag, matmul precision, torch >= 2.9's
+    fp32_precision), in a fresh process: the flags are process-global and mixing them is sticky."""
+    code = """
+import json, torch
+from dtjob.trainer.flops import tf32_matmuls
+seen = [tf32_matmuls()]
+torch.set_float32_matmul_precision("high"); seen.append(tf32_matmuls())
+torch.set_float32_matmul_precision("highest"); seen.append(tf32_matmuls())
+torch.backends.cuda.matmul.allow_tf32 = True; seen.append(tf32_matmuls())
+torch.backends.cuda.matmul.allow_tf32 = False; seen.append(tf32_matmuls())
+if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+    torch.backends.cuda.matmul.fp32_precision = "tf32"; seen.append(tf32_matmuls())
+    torch.backends.cuda.matmul.fp32_precision = "ieee"; seen.append(tf32_matmuls())
+print(json.dumps(seen))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    seen = json.loads(out.splitlines()[-1])
+    assert seen[:5] == [False, True, False, True, False]
+    assert seen[5:] in ([], [True, False])
