@@ -7,13 +7,57 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 
 from dtjob.trainer.flops import flops_per_token, peak_flops, peak_tflops_of
+from dtjob.trainer.timing import Interval, StepTimer
 
 CPU = torch.device("cpu")
+
+# --- step times ----------------------------------------------------------------------------------
+
+
+def test_a_step_lasts_from_its_start_to_its_stop_not_to_the_reading() -> None:
+    timer = StepTimer(CPU)
+    assert timer.seconds() == 0.0  # before any step
+    outer = time.perf_counter()
+    timer.start()
+    time.sleep(0.02)
+    timer.stop()
+    outer = time.perf_counter() - outer
+    time.sleep(0.05)  # read later: the stop, not the reading, ends the step
+    seconds = timer.seconds()
+    assert 0.02 <= seconds <= outer
+    timer.stop()  # idempotent until the next start
+    assert timer.seconds() == seconds
+
+
+def test_an_unstopped_step_ends_where_the_next_begins_and_the_newest_finished_step_counts() -> None:
+    timer = StepTimer(CPU)
+    timer.start()
+    time.sleep(0.03)
+    timer.start()  # the first step ends here, the second starts
+    first = timer.seconds()
+    assert first >= 0.03
+    timer.stop()  # the second, short
+    second = timer.seconds()
+    assert second < first
+
+
+def test_an_interval_has_no_length_before_its_stop() -> None:
+    interval = Interval(CPU)
+    assert not interval.done()
+    with pytest.raises(RuntimeError, match="before stop"):
+        interval.seconds()
+    interval.stop()
+    first = interval.seconds()
+    time.sleep(0.01)
+    interval.stop()  # keeps the first end
+    assert interval.done() and interval.seconds() == first
+
 
 # --- FLOPs and peaks -------------------------------------------------------------------------------
 

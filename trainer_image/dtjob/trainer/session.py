@@ -48,6 +48,7 @@ from dtjob.trainer.device import backend_for, resolve_device
 from dtjob.trainer.metrics import TrainerMetrics
 from dtjob.trainer.parallel.comm import control_group
 from dtjob.trainer.signals import StopRequest
+from dtjob.trainer.timing import StepTimer
 from dtjob.trainer.train_state import TrainState
 
 log = logging.getLogger("dtjob.trainer")
@@ -184,7 +185,7 @@ class ElasticSession:
         self.start_step = 0
         self.step = 0
         self._resumed = False
-        self._step_started = time.perf_counter()
+        self._timer = StepTimer(self.device)  # step times on the device's timeline (#41)
         self.last_saved_step = -1
         self._failed_saves = 0  # periodic checkpoints in a row the volume refused
         self.last_saved_time = 0.0
@@ -208,8 +209,11 @@ class ElasticSession:
 
     @property
     def step_seconds(self) -> float:
-        """Seconds since the current step began."""
-        return time.perf_counter() - self._step_started
+        """Seconds of the step, from its start to now, on the device's timeline (dtjob.trainer.timing):
+        on the CPU the current step's; on CUDA the newest step whose work the GPU finished (the
+        previous one in the built-in loop; the wall clock would count only the kernel launches)."""
+        self._timer.stop()
+        return self._timer.seconds()
 
     def to_device(self, batch: Any) -> Any:
         """`batch` (a tensor, or dicts/lists/tuples of them) on the session's device: pinned host
@@ -322,7 +326,7 @@ class ElasticSession:
             if self._gate is not None:
                 self._wait_for_gate(step)
             self.step = step
-            self._step_started = time.perf_counter()
+            self._timer.start()
             yield step
             stopping = elastic.agree(self.stop.requested)
             due = self.checkpoint_every > 0 and step % self.checkpoint_every == 0
