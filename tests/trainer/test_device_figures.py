@@ -12,10 +12,12 @@ import time
 import pytest
 import torch
 
+from dtjob.trainer.device import collective_device, pins
 from dtjob.trainer.flops import flops_per_token, peak_flops, peak_tflops_of
 from dtjob.trainer.timing import Interval, StepTimer
 
 CPU = torch.device("cpu")
+GPU = torch.device("cuda", 0)
 
 # --- step times ----------------------------------------------------------------------------------
 
@@ -115,3 +117,24 @@ print(json.dumps(seen))
     seen = json.loads(out.splitlines()[-1])
     assert seen[:5] == [False, True, False, True, False]
     assert seen[5:] in ([], [True, False])
+
+
+# --- devices -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("source", "target", "pinned"), [(CPU, GPU, True), (GPU, GPU, False), (CPU, CPU, False)]
+)
+def test_only_a_host_tensor_bound_for_cuda_is_pinned(
+    source: torch.device, target: torch.device, pinned: bool
+) -> None:
+    assert pins(source, target) is pinned
+
+
+@pytest.mark.parametrize(
+    ("backend", "device", "where"), [("nccl", GPU, GPU), ("gloo", GPU, CPU), ("gloo", CPU, CPU)]
+)
+def test_a_reported_loss_is_reduced_where_the_backend_takes_it(
+    backend: str, device: torch.device, where: torch.device
+) -> None:
+    assert collective_device(backend, device) == where

@@ -44,7 +44,7 @@ from dtjob.trainer import elastic, fence, heartbeat
 from dtjob.trainer.checkpoint import Checkpointer, CheckpointWriteError, Loaded
 from dtjob.trainer.comm_metrics import instrument_comm
 from dtjob.trainer.data import GlobalBatchSampler
-from dtjob.trainer.device import backend_for, resolve_device
+from dtjob.trainer.device import backend_for, collective_device, pins, resolve_device
 from dtjob.trainer.metrics import TrainerMetrics
 from dtjob.trainer.parallel.comm import control_group
 from dtjob.trainer.signals import StopRequest
@@ -217,9 +217,9 @@ class ElasticSession:
 
     def to_device(self, batch: Any) -> Any:
         """`batch` (a tensor, or dicts/lists/tuples of them) on the session's device: pinned host
-        memory and non-blocking copies on CUDA."""
+        memory and non-blocking copies from the host to CUDA."""
         if isinstance(batch, torch.Tensor):
-            if self.device.type == "cuda":
+            if pins(batch.device, self.device):
                 return batch.pin_memory().to(self.device, non_blocking=True)
             return batch.to(self.device)
         if isinstance(batch, Mapping):
@@ -357,7 +357,8 @@ class ElasticSession:
         """Publish this step's loss (a tensor: this rank's mean, averaged over the world here; a
         float: already the global mean) and any extra JSON fields; returns the global loss."""
         if isinstance(loss, torch.Tensor):
-            t = loss.detach().reshape(1).to(torch.float64)
+            where = collective_device(dist.get_backend(), self.device)  # a CPU loss over NCCL raised
+            t = loss.detach().reshape(1).to(where, torch.float64)
             dist.all_reduce(t)
             value = float(t.item()) / self.world_size  # the one host synchronisation of a step
         else:
