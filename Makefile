@@ -31,8 +31,9 @@ test: venv binaries
 # The trainer's quick tests again at the floor of pyproject's torch range (#41): torch 2.11, the
 # GPU machine's (bench/gpu_check.py). Its own venv, without --system-site-packages (2.15 must not
 # leak in) and without the project installed: the sources on PYTHONPATH as on the GPU machine, and
-# no pydantic or kopf. Built once: about 2.5 minutes and 3.8 GB (PyPI's Linux wheel is the CUDA
-# build, whose nvidia-* libraries `import torch` loads even on a CPU-only machine).
+# no pydantic or kopf. Built once: 2.5 minutes (6 on a busy machine) and 3.8 GB, 4.7 GB once the
+# tests wrote their bytecode (PyPI's Linux wheel is the CUDA build, whose nvidia-* libraries
+# `import torch` loads even on a CPU-only machine). The tests: 1.3-2 minutes.
 FLOOR_VENV := .venv-floor
 FLOOR_TORCH := 2.11.0
 FLOOR_STAMP := $(FLOOR_VENV)/.installed-torch-$(FLOOR_TORCH)
