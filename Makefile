@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 export DTJOB_CACHE ?= $(HOME)/.cache/dtjob
 PYTEST_ARGS ?=
 
-.PHONY: venv binaries test test-quick lint crds demo bench bench-scale bench-peers chaos gpu-check devcluster-up devcluster-down clean
+.PHONY: venv binaries test test-quick test-floor lint crds demo bench bench-scale bench-peers chaos gpu-check devcluster-up devcluster-down clean
 
 venv: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
@@ -26,6 +26,29 @@ test: venv binaries
 	$(PY) -m ruff check .
 	$(PY) -m mypy
 	$(PY) -m pytest $(PYTEST_ARGS)
+	$(MAKE) test-floor
+
+# The trainer's quick tests again at the floor of pyproject's torch range (#41): torch 2.11, the
+# GPU machine's (bench/gpu_check.py). Its own venv, without --system-site-packages (2.15 must not
+# leak in) and without the project installed: the sources on PYTHONPATH as on the GPU machine, and
+# no pydantic or kopf. Built once: 2.5 minutes (6 on a busy machine) and 3.8 GB, 4.7 GB once the
+# tests wrote their bytecode (PyPI's Linux wheel is the CUDA build, whose nvidia-* libraries
+# `import torch` loads even on a CPU-only machine). The tests: 1.3-2 minutes.
+FLOOR_VENV := .venv-floor
+FLOOR_TORCH := 2.11.0
+FLOOR_STAMP := $(FLOOR_VENV)/.installed-torch-$(FLOOR_TORCH)
+FLOOR_TESTS := tests/trainer tests/unit/test_launcher_units.py tests/unit/test_fence.py
+$(FLOOR_STAMP):
+	rm -rf $(FLOOR_VENV)
+	$(PYTHON) -m venv $(FLOOR_VENV)
+	$(FLOOR_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(FLOOR_VENV)/bin/python -m pip install --quiet torch==$(FLOOR_TORCH) 'numpy>=1.26' \
+		'prometheus-client>=0.20' 'setproctitle>=1.3' 'pytest>=8' 'pytest-timeout>=2.3' 'hypothesis>=6.100'
+	touch $@
+
+test-floor: $(FLOOR_STAMP)
+	PYTHONPATH=operator:trainer_image:devcluster:. $(FLOOR_VENV)/bin/python -m pytest -p no:cacheprovider \
+		-m "not e2e and not slow" $(FLOOR_TESTS) $(PYTEST_ARGS)
 
 # The quick loop (about a minute): every test that needs neither the cluster nor several
 # processes training (markers e2e and slow); `make test` runs those too.
@@ -69,9 +92,10 @@ chaos: venv binaries
 	DTJOB_CHAOS_ROUNDS=3 DTJOB_CHAOS_RESULTS=bench/results/chaos.json $(PY) -m pytest -s tests/chaos $(PYTEST_ARGS)
 	$(PY) -m tests.chaos.report bench/results/chaos.json
 
-# On a machine with a GPU (not part of `make test`; CI has none): bench/gpu_check.py's table.
-gpu-check: venv
-	$(PY) bench/gpu_check.py
+# On a machine with a GPU (not part of `make test`; CI has none): bench/gpu_check.py's table. No
+# venv and no pip: the GPU machine has torch but no network (#41); the sources go on PYTHONPATH.
+gpu-check:
+	PYTHONPATH=operator:trainer_image:devcluster $(PYTHON) bench/gpu_check.py
 
 devcluster-up: venv binaries
 	$(VENV)/bin/dtjob devcluster up
@@ -80,4 +104,4 @@ devcluster-down: venv
 	$(VENV)/bin/dtjob devcluster down
 
 clean: devcluster-down
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(FLOOR_VENV) .pytest_cache .mypy_cache .ruff_cache

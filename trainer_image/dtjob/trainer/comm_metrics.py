@@ -9,7 +9,10 @@ All strategies move their data through `dtjob.trainer.parallel.comm.Comm`, so th
 wrapped once per process: each call adds the bytes of its tensor(s) and, when its handle's
 `wait()` returns (at once for a synchronous call), the seconds from issue to completion. Seconds
 of overlapping asynchronous calls therefore overlap too: they measure how long each collective
-was in flight, not wall time spent blocked. The pipeline's point-to-point messages count too, as
+was in flight, not wall time spent blocked. Seconds are on the payload's device's timeline
+(dtjob.trainer.timing.Interval): on CUDA the wall clock at `wait()` saw only the launch (#41), so
+events are recorded at issue and completion, and the call is reported once its completion event is
+done (at a later call, without waiting for the GPU). The pipeline's point-to-point messages count too, as
 ops "send" and "recv" with algorithm "p2p" (torch's own send/recv, whatever --collective says).
 """
 
@@ -17,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +27,7 @@ import torch
 
 from dtjob.trainer.metrics import TrainerMetrics
 from dtjob.trainer.parallel.comm import Comm
+from dtjob.trainer.timing import Interval
 
 # Comm method -> (op label, index of the argument whose bytes are the payload, op name in
 # dtjob.trainer.collectives.last_algorithm, or None for point-to-point)
@@ -37,6 +40,17 @@ _METHODS: dict[str, tuple[str, int, str | None]] = {
     "recv": ("recv", 0, None),
 }
 _installed: list[TrainerMetrics] = []
+# Completed calls whose completion event (CUDA) is not done yet: (op, algorithm, bytes, interval).
+_unfinished: list[tuple[str, str, int, Interval]] = []
+_MAX_UNFINISHED = 256  # beyond it the oldest is waited for (a loop that never syncs its GPU)
+
+
+def _observe_finished() -> None:
+    """Report every call whose interval is done, oldest first; wait for the oldest while too many."""
+    while len(_unfinished) > _MAX_UNFINISHED or (_unfinished and _unfinished[0][3].done()):
+        op, algorithm, nbytes, interval = _unfinished.pop(0)
+        for metrics in _installed:
+            metrics.observe_collective(op, algorithm, nbytes, interval.seconds())
 
 
 class _TimedHandle:
@@ -77,13 +91,13 @@ def _wrap(
     def timed(self: Comm, *args: Any, **kwargs: Any) -> Any:
         payload: torch.Tensor = args[payload_arg]
         nbytes = payload.numel() * payload.element_size()
-        started = time.perf_counter()
+        interval = Interval(payload.device)
         handle = method(self, *args, **kwargs)
 
         def done() -> None:
-            algorithm = _ran(self, handle, selection_op, nbytes)
-            for metrics in _installed:
-                metrics.observe_collective(op, algorithm, nbytes, time.perf_counter() - started)
+            interval.stop()
+            _unfinished.append((op, _ran(self, handle, selection_op, nbytes), nbytes, interval))
+            _observe_finished()
 
         if not signature.bind(self, *args, **kwargs).arguments.get("async_op", False):
             done()

@@ -41,3 +41,16 @@ def resolve_device(choice: str, local_rank: int) -> torch.device:
 def backend_for(device: torch.device) -> str:
     """NCCL for CUDA tensors, gloo for CPU ones."""
     return "nccl" if device.type == "cuda" else "gloo"
+
+
+def collective_device(backend: str, device: torch.device) -> torch.device:
+    """Where a tensor must be for a collective on a group of `backend`: NCCL takes CUDA tensors only
+    (#41: a CPU loss all-reduced over NCCL raised), so `device` (the process's GPU); gloo and
+    others the host, which every build of them takes."""
+    return device if backend == "nccl" else torch.device("cpu")
+
+
+def pins(source: torch.device, target: torch.device) -> bool:
+    """Whether a copy from `source` to `target` goes through pinned host memory: only a host tensor
+    bound for CUDA (#41: `pin_memory()` raises on a tensor already on the GPU)."""
+    return source.type == "cpu" and target.type == "cuda"

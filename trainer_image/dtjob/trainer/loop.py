@@ -108,7 +108,9 @@ def _train(session: ElasticSession, c: TrainerConfig) -> None:
     model = build.build_model(c).to(session.device)
     dims = {n: p.dim() for n, p in model.named_parameters()}
     n_params = sum(p.numel() for p in model.parameters())
-    model_flops = flops_per_token(n_params)
+    # The attention term needs the transformer's shape: dtjob's GPT only (#41).
+    shape = (c.layers, c.seq_len, c.dim) if c.model == "gpt" else ()
+    model_flops = flops_per_token(n_params, *shape)
     wrapped = build.wrap(model, c)
     optimizer = build.optimizer(wrapped, dims, c)
     schedule = WarmupCosine(c.lr, c.min_lr, c.warmup_steps, c.steps)

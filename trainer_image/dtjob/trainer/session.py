@@ -44,10 +44,11 @@ from dtjob.trainer import elastic, fence, heartbeat
 from dtjob.trainer.checkpoint import Checkpointer, CheckpointWriteError, Loaded
 from dtjob.trainer.comm_metrics import instrument_comm
 from dtjob.trainer.data import GlobalBatchSampler
-from dtjob.trainer.device import backend_for, resolve_device
+from dtjob.trainer.device import backend_for, collective_device, pins, resolve_device
 from dtjob.trainer.metrics import TrainerMetrics
 from dtjob.trainer.parallel.comm import control_group
 from dtjob.trainer.signals import StopRequest
+from dtjob.trainer.timing import StepTimer
 from dtjob.trainer.train_state import TrainState
 
 log = logging.getLogger("dtjob.trainer")
@@ -184,7 +185,7 @@ class ElasticSession:
         self.start_step = 0
         self.step = 0
         self._resumed = False
-        self._step_started = time.perf_counter()
+        self._timer = StepTimer(self.device)  # step times on the device's timeline (#41)
         self.last_saved_step = -1
         self._failed_saves = 0  # periodic checkpoints in a row the volume refused
         self.last_saved_time = 0.0
@@ -208,14 +209,17 @@ class ElasticSession:
 
     @property
     def step_seconds(self) -> float:
-        """Seconds since the current step began."""
-        return time.perf_counter() - self._step_started
+        """Seconds of the step, from its start to now, on the device's timeline (dtjob.trainer.timing):
+        on the CPU the current step's; on CUDA the newest step whose work the GPU finished (the
+        previous one in the built-in loop; the wall clock would count only the kernel launches)."""
+        self._timer.stop()
+        return self._timer.seconds()
 
     def to_device(self, batch: Any) -> Any:
         """`batch` (a tensor, or dicts/lists/tuples of them) on the session's device: pinned host
-        memory and non-blocking copies on CUDA."""
+        memory and non-blocking copies from the host to CUDA."""
         if isinstance(batch, torch.Tensor):
-            if self.device.type == "cuda":
+            if pins(batch.device, self.device):
                 return batch.pin_memory().to(self.device, non_blocking=True)
             return batch.to(self.device)
         if isinstance(batch, Mapping):
@@ -322,7 +326,7 @@ class ElasticSession:
             if self._gate is not None:
                 self._wait_for_gate(step)
             self.step = step
-            self._step_started = time.perf_counter()
+            self._timer.start()
             yield step
             stopping = elastic.agree(self.stop.requested)
             due = self.checkpoint_every > 0 and step % self.checkpoint_every == 0
@@ -353,7 +357,8 @@ class ElasticSession:
         """Publish this step's loss (a tensor: this rank's mean, averaged over the world here; a
         float: already the global mean) and any extra JSON fields; returns the global loss."""
         if isinstance(loss, torch.Tensor):
-            t = loss.detach().reshape(1).to(torch.float64)
+            where = collective_device(dist.get_backend(), self.device)  # a CPU loss over NCCL raised
+            t = loss.detach().reshape(1).to(where, torch.float64)
             dist.all_reduce(t)
             value = float(t.item()) / self.world_size  # the one host synchronisation of a step
         else:

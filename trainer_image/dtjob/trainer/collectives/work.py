@@ -156,6 +156,9 @@ class CollectiveWork:
         return self._done.is_set()
 
     def is_success(self) -> bool:
+        if self._native is not None:
+            # torch's own answer: on torch < 2.12 native exception() cannot say (see below).
+            return bool(self._native.is_completed() and self._native.is_success())
         return self.is_completed() and self.exception() is None
 
     def exception(self) -> BaseException | None:
@@ -163,6 +166,8 @@ class CollectiveWork:
             try:
                 return self._native.exception() if self._native.is_completed() else None
             except RuntimeError:  # some backends' works do not keep it
+                return None
+            except TypeError:  # torch 2.11: pybind cannot convert the exception_ptr it returns
                 return None
         return self._error if self._done.is_set() else None
 
