@@ -334,7 +334,12 @@ class ElasticSession:
                 if self.checkpointer is None:
                     log.warning("stopping at step %d without a checkpoint: no checkpoint_dir", step)
                 log.info(
-                    "stopped after step %d on %s; exit %d", step, self.stop.signal_name, contract.EXIT_STOPPED
+                    "stopped after step %d on %s; exit %d",
+                    step,
+                    # A rank that was not signalled stops on its peers' request (the agreement):
+                    # it logged "on " with an empty name before (#40).
+                    self.stop.signal_name or "a peer's stop request",
+                    contract.EXIT_STOPPED,
                 )
                 self._finish_heartbeat()
                 raise Stopped
