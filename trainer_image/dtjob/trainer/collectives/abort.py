@@ -137,9 +137,15 @@ def guard() -> Iterator[None]:
     except GangAborted:
         raise
     except RuntimeError as err:
-        if _state.error is None and not is_peer_failure(err):
+        # Only a lost connection means a peer is gone: gloo's other errors (a size mismatch)
+        # are this call's own, and keep their words.
+        if _state.error is None and not _connection_lost(err):
             raise
         raise peer_failed(err) from err
+
+
+def _connection_lost(err: RuntimeError) -> bool:
+    return isinstance(err, dist.DistNetworkError) or any(mark in str(err) for mark in _BROKEN_MARKS)
 
 
 def peer_failed(err: BaseException) -> GangAborted:
