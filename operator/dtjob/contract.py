@@ -95,6 +95,12 @@ def peer_lost_line(rank: int, silent_seconds: float) -> str:
     return f"peer lost: rank {rank} silent for {silent_seconds:.1f}s"
 
 
+def peer_failed_line(rank: int, why: str) -> str:
+    """The line a process logs before it exits EXIT_PEER_LOST because `rank` failed and said so
+    (its error, issue #40): the same prefix, so parse_peer_lost_line names the rank."""
+    return f"peer lost: rank {rank} failed: {why}"
+
+
 def parse_peer_lost_line(text: str) -> int | None:
     """The lost rank named by the last peer-lost line in `text` (a log tail), or None."""
     return _last_number(_PEER_LOST, text)

@@ -44,6 +44,9 @@ def test_sigterm_exits_75_and_a_resume_at_another_world_size_continues_the_traje
     first.signal(1, signal.SIGTERM)  # one rank told; every rank stops after the same step
     gate.write_text(str(STEPS))
     assert first.wait() == [75, 75], first.stderr()
+    # The rank not signalled names why it stopped (#40: it logged "stopped after step 7 on ; exit 75").
+    assert "stopped after step 7 on SIGTERM; exit 75" in first.stderr(1), first.stderr(1)
+    assert "stopped after step 7 on a peer's stop request; exit 75" in first.stderr(0), first.stderr(0)
     [stopped_at] = checkpoint_steps(checkpoints)
     assert stopped_at == 7
     manifest = json.loads((checkpoints / f"step-{stopped_at:08d}" / "manifest.json").read_text())

@@ -40,6 +40,9 @@ from typing import Any
 import torch.distributed as dist
 
 from dtjob import contract
+from dtjob.trainer.collectives.abort import is_peer_failure
+
+__all__ = ["Heartbeat", "is_peer_failure", "leave_failed", "start"]
 
 log = logging.getLogger("dtjob.trainer")
 
@@ -93,6 +96,7 @@ class Heartbeat:
         )
         self._io = _Calls()
         self._stop = threading.Event()
+        self._failed = False  # this rank failed and named itself lost (fail)
         self._armed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dtjob-heartbeat", daemon=True)
 
@@ -115,6 +119,21 @@ class Heartbeat:
         done = self._io.submit(self._store.add, self._key("done", self.rank), 1)
         with contextlib.suppress(RuntimeError, OSError, FutureTimeout):  # the store may be gone
             done.result(timeout=2 * self.interval)
+
+    def fail(self) -> None:
+        """This rank fails (an uncaught error): name it lost at once, so every peer exits
+        EXIT_PEER_LOST within a beat wherever it is (#40: before, they waited `timeout` for its
+        silence, or the collective timeout while its process lingered and its heartbeat beat on).
+        This rank's own watcher stops: the verdict is not for it to act on."""
+        self._failed = True
+        self._stop.set()
+
+        def publish() -> None:
+            self._store.set(self._key("lost-rank"), str(self.rank))
+            self._store.add(self._key("lost"), 1)
+
+        with contextlib.suppress(RuntimeError, OSError, FutureTimeout):  # the store may be gone
+            self._io.submit(publish).result(timeout=2 * self.interval)
 
     @property
     def verdict_seconds(self) -> float:
@@ -164,6 +183,8 @@ class Heartbeat:
                 due = min(now + self.interval, contact_at + self.timeout + slack)
                 continue
             contact_at = now
+            if self._failed:
+                return
             if lost is not None:
                 self._leave(lost, now - seen_at)
             if done:
@@ -194,16 +215,12 @@ class Heartbeat:
         os._exit(contract.EXIT_PEER_LOST)
 
 
-def is_peer_failure(err: BaseException) -> bool:
-    """Whether `err` may be a collective seeing a peer gone: torch.distributed's own errors, and the
-    RuntimeErrors of gloo and NCCL ("[.../gloo/transport/tcp/pair.cc:561] Connection closed by peer
-    [10.244.2.3]:19860" when a peer's process died)."""
-    if isinstance(err, dist.DistError):
-        return True
-    text = str(err)
-    return isinstance(err, RuntimeError) and any(
-        mark in text for mark in ("gloo", "NCCL", "Connection closed", "Connection reset")
-    )
+def leave_failed(rank: int, why: str) -> None:
+    """A peer said it failed (a dtjob collective raised GangAborted naming it): log the contract's
+    peer-lost line and exit EXIT_PEER_LOST now, as the heartbeat's verdict does (#40)."""
+    print(f"dtjob-trainer: {contract.peer_failed_line(rank, why)}", file=sys.stderr, flush=True)
+    logging.shutdown()
+    os._exit(contract.EXIT_PEER_LOST)
 
 
 def start(gang_prefix: str, host: str, port: int, rank: int, world_size: int) -> Heartbeat | None:

@@ -42,6 +42,8 @@ from torch import nn
 from dtjob import contract
 from dtjob.trainer import elastic, fence, heartbeat
 from dtjob.trainer.checkpoint import Checkpointer, CheckpointWriteError, Loaded
+from dtjob.trainer.collectives import abort
+from dtjob.trainer.collectives.abort import GangAborted
 from dtjob.trainer.comm_metrics import instrument_comm
 from dtjob.trainer.data import GlobalBatchSampler
 from dtjob.trainer.device import backend_for, collective_device, pins, resolve_device
@@ -338,7 +340,12 @@ class ElasticSession:
                 if self.checkpointer is None:
                     log.warning("stopping at step %d without a checkpoint: no checkpoint_dir", step)
                 log.info(
-                    "stopped after step %d on %s; exit %d", step, self.stop.signal_name, contract.EXIT_STOPPED
+                    "stopped after step %d on %s; exit %d",
+                    step,
+                    # A rank that was not signalled stops on its peers' request (the agreement):
+                    # it logged "on " with an empty name before (#40).
+                    self.stop.signal_name or "a peer's stop request",
+                    contract.EXIT_STOPPED,
                 )
                 self._finish_heartbeat()
                 raise Stopped
@@ -442,11 +449,21 @@ class ElasticSession:
             )
 
     def failed(self, err: BaseException) -> None:
-        """This rank is about to end with `err`: when it may be a peer gone (a collective's
-        connection closed), wait for the heartbeat to name the lost rank (the process then exits
-        76 naming it, so the operator replaces that rank's pod at once). Called by the built-in
-        loop, and by the `sys.excepthook` the session installs for a user's script."""
-        if self.heartbeat is not None and heartbeat.is_peer_failure(err):
+        """This rank is about to end with `err`. Its own failure: tell the gang at once (its dtjob
+        collectives are broken and the heartbeat names it lost, so every peer exits 76 within
+        seconds, #40). A peer that said it failed (GangAborted naming it): exit 76 naming it now.
+        A peer gone without a word (a collective's connection closed): wait for the heartbeat to
+        name the lost rank (the process then exits 76 naming it, so the operator replaces that
+        rank's pod at once). Called by the built-in loop, and by the `sys.excepthook` the session
+        installs for a user's script."""
+        if isinstance(err, GangAborted) and err.failed_rank is not None and err.failed_rank != self.rank:
+            heartbeat.leave_failed(err.failed_rank, str(err))
+        if not heartbeat.is_peer_failure(err):
+            abort.fail(err)
+            if self.heartbeat is not None:
+                self.heartbeat.fail()
+            return
+        if self.heartbeat is not None:
             first = (str(err).strip().splitlines() or [type(err).__name__])[0]
             log.error("%s; waiting up to %.0fs for the heartbeat to name the lost rank", first,
                       self.heartbeat.verdict_seconds)  # fmt: skip

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from dtjob.trainer.collectives import broadcast as broadcast_algos
 from dtjob.trainer.collectives import (
+    abort,
     direct,
     halving_doubling,
     hierarchical,
@@ -28,6 +28,7 @@ from dtjob.trainer.collectives import (
     selection,
     tuning,
 )
+from dtjob.trainer.collectives import broadcast as broadcast_algos
 from dtjob.trainer.collectives.calibration import cost_model, same_everywhere
 from dtjob.trainer.collectives.errors import InvalidArgument, InvalidType
 from dtjob.trainer.collectives.hierarchical import PodLayout
@@ -318,10 +319,12 @@ def _execute(
         if trials is not None:  # a timed trial call runs on its own, as dtjob's trial calls do
             runner.drain()
             timer = _Timer(device)
-            run_native(False)
+            with abort.guard():
+                run_native(False)
             trials.add(NATIVE, timer.stop())
             return CollectiveWork.completed(result, NATIVE) if async_op else None
-        work = run_native(async_op)
+        with abort.guard():  # a peer gone: GangAborted, and this rank's groups broken (#40)
+            work = run_native(async_op)
         if not async_op:
             return None
         return (

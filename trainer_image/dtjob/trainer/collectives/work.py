@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dtjob.trainer.collectives import abort
 from dtjob.trainer.collectives.tuning import Trials
 
 # Tags live in the upper half of the int32 range so they never meet the small tags a user's own
@@ -134,7 +135,8 @@ class CollectiveWork:
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         """Block until done (on CUDA: make the current stream wait); re-raises the call's error."""
         if self._native is not None:
-            return bool(self._native.wait() if timeout is None else self._native.wait(timeout))
+            with abort.guard():  # a peer gone: GangAborted, and this rank's groups broken (#40)
+                return bool(self._native.wait() if timeout is None else self._native.wait(timeout))
         seconds = None if timeout is None else timeout.total_seconds()
         if not self._done.wait(seconds):
             raise RuntimeError(f"collective did not complete within {timeout}")
@@ -308,7 +310,7 @@ class GroupRunner:
                     )
                     self._thread.start()
         if inline:
-            with self._run_lock:
+            with self._run_lock, abort.guard():
                 job(tag)
             return None
         if async_op:
@@ -327,7 +329,8 @@ class GroupRunner:
         with self._device_lock:
             tag = self.next_tag()
             if not async_op:
-                job(tag)
+                with abort.guard():
+                    job(tag)
                 return None
             side = self._side.get(device)
             if side is None:
@@ -349,7 +352,7 @@ class GroupRunner:
     def run_now(self, job: Job) -> str:
         """Run `job` inline after the queued calls, with the next tag (the same call on every rank)."""
         self.drain()
-        with self._run_lock:
+        with self._run_lock, abort.guard():
             return job(self.next_tag())
 
     def close(self) -> None:
@@ -371,7 +374,7 @@ class GroupRunner:
                 return
             job, tag, work = item
             try:
-                with self._run_lock:
+                with self._run_lock, abort.guard():
                     algorithm = job(tag)
             except BaseException as error:
                 work._fail(error)
@@ -397,9 +400,11 @@ def runner_for(group: dist.ProcessGroup) -> GroupRunner:
             runner = _strong_runners.get(id(group))
             if runner is None or runner._group() is not group:
                 runner = _strong_runners[id(group)] = GroupRunner(group, weak=False)
+                abort.register(group)
             return runner
         if runner is None:
             runner = GroupRunner(group)
             _runners[group] = runner
             weakref.finalize(group, runner.close)
+            abort.register(group)  # broken when a rank fails, so its peers fail fast (#40)
         return runner

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
@@ -38,13 +38,53 @@ class Wrapper(nn.Module):
             return getattr(self.module, name)
 
     def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> Any:
-        raise RuntimeError(
+        raise NotSupported(
             f"{type(self).__name__}: moving or casting a wrapped model (.to(), .cuda(), .half(), ...) is "
             "not supported; move the model to its device and dtype before wrapping it"
         )
 
+    def to(self, *args: Any, **kwargs: Any) -> Any:
+        """`.to()` where the model already is (its device and dtype: what scripts written for
+        torch's DDP do after wrapping) returns the wrapper; a real move or cast is refused (_apply)."""
+        device, dtype, _non_blocking, _format = torch._C._nn._parse_to(*args, **kwargs)
+        tensors = [*self.module.parameters(), *self.module.buffers()]
+        if all(
+            (device is None or _same_device(t.device, device))
+            and (dtype is None or not t.is_floating_point() or t.dtype == dtype)
+            for t in tensors
+        ):
+            return self
+        return super().to(*args, **kwargs)
+
     def extra_repr(self) -> str:
         return f"world={self.comm.size}, collective={self.comm.algorithm!r}"
+
+
+def _same_device(have: torch.device, want: torch.device) -> bool:
+    return have.type == want.type and (want.index is None or have.index == want.index)
+
+
+class NotSupported(NotImplementedError, RuntimeError):
+    """A method of torch's DDP or FSDP2 (or nn.Module) that a dtjob wrapper does not offer. Its
+    message names what to do instead. Both a NotImplementedError (what is missing) and a
+    RuntimeError (what the wrappers raised for a move or cast before issue #40)."""
+
+
+def not_supported(wrapper: str, method: str, instead: str) -> NoReturn:
+    """Raise NotSupported for `wrapper`.`method`(), naming the alternative `instead`."""
+    raise NotSupported(f"{wrapper}.{method}() is not supported by dtjob's {wrapper}; {instead}")
+
+
+# What to say instead of a method, shared by the wrappers (issue #40, README "The torch surface").
+INSTEAD_COMM_HOOK = (
+    "dtjob's own collectives reduce the gradients: choose their algorithm with collective=, and "
+    "compress them with data_parallel(grad_compression='bf16' or 'fp16')"
+)
+INSTEAD_JOIN = (
+    "give every rank the same number of batches (ElasticSession.batch_sampler / "
+    "dtjob.trainer.data.GlobalBatchSampler do; a DataLoader with drop_last=True over a "
+    "DistributedSampler does)"
+)
 
 
 def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:

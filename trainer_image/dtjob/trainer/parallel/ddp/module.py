@@ -35,6 +35,9 @@ from dtjob.trainer.parallel.ddp.buckets import Bucket, MiB, assign_buckets, make
 from dtjob.trainer.parallel.shards import LocalShard
 
 _WIRE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+_INSTEAD_SHARDING = (
+    "every rank holds the whole model, unsharded; to shard parameters use fully_shard(model, zero_stage=3)"
+)
 
 
 class DataParallel(common.Wrapper):
@@ -127,6 +130,27 @@ class DataParallel(common.Wrapper):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """torch.nn.utils.clip_grad_norm_ over the parameters (every rank holds the same gradients)."""
         return torch.nn.utils.clip_grad_norm_(list(self._named.values()), max_norm, norm_type)
+
+    # -- the rest of torch's DDP / FSDP2 surface (issue #40, README "The torch surface") --------
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        """The persistent form of no_sync() (FSDP2's name): False, backward passes accumulate
+        locally until it is set True again; the next backward then reduces the sum."""
+        self._sync = bool(requires_gradient_sync)
+
+    def register_comm_hook(self, state: object, hook: Any) -> None:
+        common.not_supported("data_parallel", "register_comm_hook", common.INSTEAD_COMM_HOOK)
+
+    def join(self, *args: Any, **kwargs: Any) -> Any:
+        common.not_supported("data_parallel", "join", common.INSTEAD_JOIN)
+
+    def set_reshard_after_forward(self, *args: Any, **kwargs: Any) -> None:
+        common.not_supported("data_parallel", "set_reshard_after_forward", _INSTEAD_SHARDING)
+
+    def unshard(self, *args: Any, **kwargs: Any) -> Any:
+        common.not_supported("data_parallel", "unshard", _INSTEAD_SHARDING)
+
+    def reshard(self) -> None:
+        common.not_supported("data_parallel", "reshard", _INSTEAD_SHARDING)
 
     # -- checkpoints (parallel/shards.py) -------------------------------------------------------
     def local_shards(self) -> list[LocalShard]:

@@ -48,6 +48,12 @@ from dtjob.trainer.parallel.shards import LocalShard
 log = logging.getLogger("dtjob.trainer.parallel")
 
 
+_INSTEAD_UNSHARD = (
+    "forward and backward gather each unit themselves; for the full weights use "
+    "dtjob.trainer.parallel.full_state_dict(model)"
+)
+
+
 class FullyShardedModule(common.Wrapper):
     """The module `fully_shard` returns; see the module docstring."""
 
@@ -221,6 +227,32 @@ class FullyShardedModule(common.Wrapper):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradient norm over every rank's shards; returns the total norm."""
         return clip.clip_grad_norm_(list(self.parameters()), max_norm, norm_type)
+
+    # -- the rest of torch's DDP / FSDP2 surface (issue #40, README "The torch surface") --------
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        """The persistent form of no_sync(): False, stage 1 accumulates full gradients locally
+        until it is set True again (stages 2/3 reduce-scatter every backward, as in no_sync)."""
+        self._sync = bool(requires_gradient_sync) or self.stage != 1
+
+    def register_comm_hook(self, state: object, hook: Any) -> None:
+        common.not_supported("fully_shard", "register_comm_hook", common.INSTEAD_COMM_HOOK.split(", and")[0])
+
+    def join(self, *args: Any, **kwargs: Any) -> Any:
+        common.not_supported("fully_shard", "join", common.INSTEAD_JOIN)
+
+    def set_reshard_after_forward(self, *args: Any, **kwargs: Any) -> None:
+        common.not_supported(
+            "fully_shard",
+            "set_reshard_after_forward",
+            "choose it when wrapping: zero_stage=3 frees each unit's gathered parameters after its "
+            "forward (reshard_after_forward=True), zero_stage=1 or 2 keeps full parameters on every rank",
+        )
+
+    def unshard(self, *args: Any, **kwargs: Any) -> Any:
+        common.not_supported("fully_shard", "unshard", _INSTEAD_UNSHARD)
+
+    def reshard(self) -> None:
+        common.not_supported("fully_shard", "reshard", _INSTEAD_UNSHARD)
 
     # -- checkpoints (parallel/shards.py) -------------------------------------------------------
     def local_shards(self) -> list[LocalShard]:

@@ -144,6 +144,16 @@ class _Microbatch:
         self.stand_ins: list[torch.Tensor] = []
 
 
+_INSTEAD_ACCUMULATE = (
+    "step() accumulates over its micro-batches and reduces once: for a larger batch per "
+    "optimizer step, pass a larger batch or more microbatches= to pipeline()"
+)
+_INSTEAD_STAGES = (
+    "each stage holds its own parameters, unsharded; for the whole model's weights use "
+    "dtjob.trainer.parallel.full_state_dict(model)"
+)
+
+
 class Pipeline(common.Wrapper):
     """The object `pipeline` returns; see the module docstring."""
 
@@ -330,6 +340,32 @@ class Pipeline(common.Wrapper):
                 if key in state_dict:
                     tensor.copy_(state_dict[key])
         return None
+
+    # -- the rest of torch's DDP / FSDP2 surface (issue #40, README "The torch surface") --------
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradient norm over every stage's parameters; returns the total norm."""
+        return clip.clip_grad_norm_(list(self.parameters()), max_norm, norm_type)
+
+    def no_sync(self) -> Any:
+        common.not_supported("pipeline", "no_sync", _INSTEAD_ACCUMULATE)
+
+    def set_requires_gradient_sync(self, *args: Any, **kwargs: Any) -> None:
+        common.not_supported("pipeline", "set_requires_gradient_sync", _INSTEAD_ACCUMULATE)
+
+    def register_comm_hook(self, state: object, hook: Any) -> None:
+        common.not_supported("pipeline", "register_comm_hook", "collective= chooses how the replicas reduce")
+
+    def join(self, *args: Any, **kwargs: Any) -> Any:
+        common.not_supported("pipeline", "join", common.INSTEAD_JOIN)
+
+    def set_reshard_after_forward(self, *args: Any, **kwargs: Any) -> None:
+        common.not_supported("pipeline", "set_reshard_after_forward", _INSTEAD_STAGES)
+
+    def unshard(self, *args: Any, **kwargs: Any) -> Any:
+        common.not_supported("pipeline", "unshard", _INSTEAD_STAGES)
+
+    def reshard(self) -> None:
+        common.not_supported("pipeline", "reshard", _INSTEAD_STAGES)
 
     @property
     def data_parallel_rank(self) -> int:
