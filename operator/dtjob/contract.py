@@ -131,6 +131,23 @@ def parse_in_place_line(text: str) -> int | None:
     return _last_number(_IN_PLACE, text)
 
 
+# --- a failed worker's last words ------------------------------------------------------------
+# The operator puts a failed worker's last log line on the job's event and condition, so that a
+# failure says why without `kubectl logs` (issue #46). Bookkeeping lines of this contract (the
+# agent's in-place count) are skipped; 300 characters keep an event readable (a traceback's last
+# line, the exception, fits).
+LAST_WORDS_CHARS = 300
+
+
+def last_words(text: str) -> str | None:
+    """The last line of `text` (a log tail or termination message) that says something, or None."""
+    for line in reversed(text.splitlines()):
+        line = line.strip()
+        if line and _IN_PLACE.search(line) is None:
+            return line if len(line) <= LAST_WORDS_CHARS else line[: LAST_WORDS_CHARS - 3] + "..."
+    return None
+
+
 # --- the closing log line ------------------------------------------------------------------------
 _COMPLETE = re.compile(r"training complete at step (\d+)(?:; last checkpoint step (\d+) at ([\d.]+))?")
 

@@ -113,6 +113,48 @@ def wait_for(what: str, predicate: Callable[[], bool], timeout: float = 60.0, in
     pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
+def job_diagnostics(namespace: str, name: str) -> str:
+    """What a person would look at when a job went wrong: its phase and conditions, its events
+    and each worker's log tail (issue #46: a failed job's test says why)."""
+    job = kubectl("get", "dtj", name, "-n", namespace, "-o", "json")
+    status = (json.loads(job.stdout).get("status") or {}) if job.returncode == 0 else {}
+    lines = [f"job {namespace}/{name}: phase {status.get('phase')}"]
+    lines += [
+        f"  condition {c.get('type')}={c.get('status')} {c.get('reason')}: {c.get('message')}"
+        for c in status.get("conditions") or []
+    ]
+    selector = f"involvedObject.kind=DistributedTrainingJob,involvedObject.name={name}"
+    events = kubectl("get", "events", "-n", namespace, "--field-selector", selector, "-o", "json")
+    for e in json.loads(events.stdout).get("items", []) if events.returncode == 0 else []:
+        lines.append(f"  event {e.get('type')} {e.get('reason')}: {e.get('message')}")
+    pods = kubectl("get", "pods", "-n", namespace, "-l", f"training.dtjob.io/job-name={name}", "-o", "json")
+    for pod in json.loads(pods.stdout).get("items", []) if pods.returncode == 0 else []:
+        pod_name = pod["metadata"]["name"]
+        statuses = (pod.get("status") or {}).get("containerStatuses") or []
+        states = ", ".join(f"{c.get('name')} {json.dumps(c.get('state'))}" for c in statuses)
+        lines.append(f"  pod {pod_name} {(pod.get('status') or {}).get('phase')}: {states}")
+        log = kubectl("logs", "-n", namespace, pod_name, "--all-containers", "--tail=40")
+        lines += [f"    | {line}" for line in (log.stdout or log.stderr).splitlines()]
+    return "\n".join(lines)
+
+
+def wait_for_phase(namespace: str, name: str, want: str, timeout: float) -> None:
+    """Waits for the job's phase `want`; fails at once on another final phase, and either way
+    with the job's diagnostics."""
+    deadline = time.monotonic() + timeout
+    seen = None
+    while time.monotonic() < deadline:
+        job = kubectl("get", "dtj", name, "-n", namespace, "-o", "json")
+        seen = (json.loads(job.stdout).get("status") or {}).get("phase") if job.returncode == 0 else None
+        if seen == want:
+            return
+        if seen in ("Succeeded", "Failed"):
+            break
+        time.sleep(1.0)
+    why = f"ended {seen}" if seen in ("Succeeded", "Failed") else f"timed out after {timeout:.0f}s"
+    pytest.fail(f"job {namespace}/{name} {why} waiting for {want}\n{job_diagnostics(namespace, name)}")
+
+
 def volcano_podgroup_crd() -> Path:
     """Volcano's PodGroup CRD from the shared fixtures (`../shared/fixtures/volcano`, DESIGN.md).
 

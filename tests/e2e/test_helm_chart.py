@@ -6,7 +6,8 @@ projected ServiceAccount token, so every API call the operator makes is authoriz
 RBAC. The tests share one release, in this order:
 
 1. `helm install` restricted to one namespace; the job NOTES.txt tells a new user to apply runs
-   to Succeeded.
+   to Succeeded (or the test prints the job's conditions, events and worker logs). A worker that
+   fails puts its exit code and last log line on the job's condition and event.
 2. That install cannot see or touch a job in another namespace.
 3. With any one rule removed from the operator's roles, the behaviour the rule is for fails,
    and the operator's log shows the API server refusing the call.
@@ -35,10 +36,12 @@ from tests.e2e.conftest import (
     Devcluster,
     apply_crd,
     helm,
+    job_diagnostics,
     kubectl,
     kubectl_json,
     volcano_podgroup_crd,
     wait_for,
+    wait_for_phase,
 )
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -263,11 +266,28 @@ def test_install_runs_the_first_job_from_the_notes_to_succeeded(release: None) -
             kubectl("auth", "can-i", verb, resource, "-n", namespace, f"--as={worker_sa}").stdout.strip()
             == "no"
         )
-    wait_for("the job to succeed", lambda: phase(namespace, name) == "Succeeded", timeout=240)
+    wait_for_phase(namespace, name, "Succeeded", timeout=240)
     total = time.monotonic() - started
     print(f"\nhelm e2e: worker pods {to_pods:.1f}s after the job, Succeeded after {total:.1f}s")
     assert job_events(namespace, name), "the operator recorded no Event on the job"
     delete_job(namespace, name)
+
+
+def test_a_failed_worker_says_its_exit_code_and_last_line_on_the_job(release: None) -> None:
+    # Exit 2 is permanent by default (EXIT_CONFIG_ERROR): the job fails at once, and its condition
+    # and event quote the worker's last log line (FallbackToLogsOnError, issue #46).
+    name = "says-why"
+    script = "import sys; print('loading data'); print('no such corpus: /data/x', flush=True); sys.exit(2)"
+    apply(small_job(name, ["python", "-c", script]), JOBS_NS)
+    try:
+        wait_for_phase(JOBS_NS, name, "Failed", timeout=120)
+        said = "failed (exit code 2): no such corpus: /data/x"
+        job = get_job(JOBS_NS, name) or {}
+        failed = next(c for c in job["status"]["conditions"] if c["type"] == "Failed")
+        assert said in failed["message"], job_diagnostics(JOBS_NS, name)
+        assert any(said in e["message"] for e in job_events(JOBS_NS, name)), job_diagnostics(JOBS_NS, name)
+    finally:
+        delete_job(JOBS_NS, name)
 
 
 def test_namespaced_install_cannot_see_or_touch_another_namespace(release: None) -> None:

@@ -3,8 +3,10 @@ the NodeLost status they get."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from dtjob.devcluster.nodelet.manager import lost_status, was_started
-from dtjob.devcluster.nodelet.pods import security
+from dtjob.devcluster.nodelet.pods import FALLBACK_LOG_BYTES, FALLBACK_LOG_LINES, fallback_message, security
 
 
 def test_a_pod_counts_as_started_once_it_had_an_ip_or_a_container_state() -> None:
@@ -53,3 +55,14 @@ def test_container_security_context_overrides_the_pod_and_fs_group_joins_the_gro
         "supplementalGroups": [2000],
     }
     assert security({"spec": {}}, {}) == {"runAsUser": None, "runAsGroup": None, "supplementalGroups": []}
+
+
+def test_a_failed_container_under_fallback_to_logs_gets_its_log_tail_as_message(tmp_path: Path) -> None:
+    log = tmp_path / "0.log"
+    log.write_text("".join(f"line {i}\n" for i in range(200)) + "ValueError: bad\n")
+    fallback = {"terminationMessagePolicy": "FallbackToLogsOnError"}
+    message = fallback_message(fallback, log)
+    assert message.endswith("line 199\nValueError: bad")
+    assert len(message.splitlines()) <= FALLBACK_LOG_LINES and len(message.encode()) <= FALLBACK_LOG_BYTES
+    assert fallback_message({}, log) == "", "policy File (the default): the nodelet writes no message"
+    assert fallback_message(fallback, tmp_path / "missing.log") == ""

@@ -280,3 +280,48 @@ def test_a_restarted_generation_shrinks_to_what_fits_beside_a_node_found_silent_
     silent = {"silentNodes": [{"name": "n1", "since": "2026-01-01T12:01:40Z"}]}
     job = make_job(replicas=2, min_replicas=2, max_replicas=2, cpu="2", status={**status, **silent})
     assert len(creates(run(job, [], two_nodes(), now=101.0))) == 2
+
+
+# --- a failure says why (issue #46) ---------------------------------------------------------------
+def _failed_with_log(rank: int, code: int, message: str) -> dict[str, Any]:
+    """A failed worker whose terminated state carries `message`, as FallbackToLogsOnError does."""
+    pod = make_pod(rank, phase="Failed", exit_code=code)
+    pod["status"]["containerStatuses"][0]["state"]["terminated"]["message"] = message
+    return pod
+
+
+def test_a_failed_workers_exit_code_and_last_log_line_are_on_its_event_and_condition() -> None:
+    job = make_job(status=running_status())
+    pods = gang(4)
+    error = "OSError: [Errno 30] Read-only file system: '/ckpt'"
+    log = f"step 1 loss 5.5\nTraceback (most recent call last):\n{error}\n"
+    pods[2] = _failed_with_log(2, 1, log)
+    actions = run(job, pods, two_nodes())
+    said = f"gpt-worker-2 failed (exit code 1): {error}"
+    assert said in condition(status_patch(actions), "Restarting")["message"]
+    assert [e.message for e in events(actions)] == [f"generation 1 with 4 workers: {said}"]
+
+
+def test_the_last_line_comes_from_the_log_read_when_the_pod_has_no_message() -> None:
+    job = make_job(status=running_status())
+    pods = gang(4)
+    pods[1] = make_pod(1, phase="Failed", exit_code=1)
+    logs = {
+        "gpt-worker-1": "RuntimeError: CUDA error: out of memory\nrestarts in place in this generation: 0\n"
+    }
+    patch = status_patch(run(job, pods, two_nodes(), worker_logs=logs))
+    assert condition(patch, "Restarting")["message"].endswith(
+        "gpt-worker-1 failed (exit code 1): RuntimeError: CUDA error: out of memory"
+    ), "the agent's bookkeeping line is not the cause"
+
+
+def test_a_permanent_failure_names_its_exit_code_and_last_line() -> None:
+    job = make_job(max_restarts=10, status=running_status())
+    pods = gang(4)
+    pods[3] = _failed_with_log(3, 2, "dtjob: --model: unknown model 'gtp'\n")
+    failed = condition(status_patch(run(job, pods, two_nodes())), "Failed")
+    assert failed["reason"] == "PermanentError"
+    assert failed["message"] == (
+        "gpt-worker-3 failed (exit code 2): dtjob: --model: unknown model 'gtp'; "
+        "exit code 2 is permanent (permanentExitCodes)"
+    )

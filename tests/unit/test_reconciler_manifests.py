@@ -245,3 +245,12 @@ def test_avoided_nodes_are_anded_into_every_term_of_the_templates_node_affinity(
     fits = {n: node_admits(plain, make_node(n)) for n in ("n1", "n2", "n3")}
     assert fits == {"n1": False, "n2": True, "n3": False}
     assert "affinity" not in worker_pod(JobView(make_job()), 0, 2, 1, WorkerDefaults())["spec"]
+
+
+def test_the_trainer_falls_back_to_its_log_for_a_termination_message_unless_the_template_says() -> None:
+    pod = worker_pod(JobView(make_job()), rank=0, world_size=2, generation=0, defaults=WorkerDefaults())
+    assert pod["spec"]["containers"][0]["terminationMessagePolicy"] == "FallbackToLogsOnError"
+    job = make_job()
+    job["spec"]["template"]["spec"]["containers"][0]["terminationMessagePolicy"] = "File"
+    pod = worker_pod(JobView(job), rank=0, world_size=2, generation=0, defaults=WorkerDefaults())
+    assert pod["spec"]["containers"][0]["terminationMessagePolicy"] == "File"

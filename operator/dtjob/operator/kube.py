@@ -269,19 +269,17 @@ class Kube:
         return str(renewed) if renewed else None
 
     def _failed_worker_logs(self, job: JobView, pods: list[dict[str, Any]]) -> dict[str, str]:
-        """Log tails of the current generation's workers that exited EXIT_PEER_LOST (they name the
-        rank that went silent) and, when the pods restart in place, of those that failed (their
-        agent's last line counts its restarts in place). At most settings.log_reads_per_pass of
-        them, those without a termination message naming the lost rank first."""
-        in_place = not job.spec_errors and job.restart_in_place
+        """Log tails of the current generation's workers that failed (not a stop after a
+        checkpoint): an EXIT_PEER_LOST log names the rank that went silent, a pod agent's last line
+        counts its restarts in place, and any failure's last line goes on the job's event. At most
+        settings.log_reads_per_pass of them, those without a termination message naming the lost
+        rank first."""
         candidates = [
             w
             for w in (Worker.of(pod) for pod in pods)
             if w.generation == job.status.get("generation")
             and w.phase == "Failed"
-            and (
-                w.exit_code == contract.EXIT_PEER_LOST or (in_place and w.exit_code != contract.EXIT_STOPPED)
-            )
+            and w.exit_code != contract.EXIT_STOPPED
         ]
         candidates.sort(key=lambda w: contract.parse_peer_lost_line(w.message or "") is not None)
         logs: dict[str, str] = {}

@@ -197,6 +197,9 @@ def worker_pod(
         security.setdefault("capabilities", {"drop": ["ALL"]})
         if container.get("name") != TRAINER_CONTAINER:
             continue
+        # A failed trainer's log tail becomes its terminated state's message, which the job's
+        # event and condition quote (its last line) without reading the pod's log.
+        container.setdefault("terminationMessagePolicy", "FallbackToLogsOnError")
         container["env"] = _merge_env(
             container.get("env") or [], _trainer_env(job, rank, world_size, generation, restarts_left)
         )

@@ -739,7 +739,12 @@ def _failures(p: _Pass, current: Sequence[Worker]) -> list[Failure]:
             found.append(Failure(w, "PeerLost", f"{w.name} exited {EXIT_PEER_LOST} (peer lost)", True, lost))
         elif w.phase == "Failed":
             how = f"exit code {w.exit_code}" if w.exit_code is not None else (w.reason or "no exit code")
-            found.append(Failure(w, "WorkerFailed", f"{w.name} failed ({how})", True))
+            said = contract.last_words(w.message or "") or contract.last_words(
+                p.obs.worker_logs.get(w.name, "")
+            )
+            found.append(
+                Failure(w, "WorkerFailed", f"{w.name} failed ({how})" + (f": {said}" if said else ""), True)
+            )
         elif w.deleting:
             found.append(Failure(w, "WorkerDeleted", f"{w.name} was deleted", True))
     return found
@@ -764,7 +769,12 @@ def _decide(p: _Pass, current: Sequence[Worker], workers: Sequence[Worker]) -> b
             _fail(p, workers, "RestartPolicyNever", f"{f.message}; elastic.restartPolicy is Never")
             return True
         if code is not None and job.is_permanent_exit_code(code):
-            _fail(p, workers, "PermanentError", f"{f.worker.name} exited with permanent exit code {code}")
+            _fail(
+                p,
+                workers,
+                "PermanentError",
+                f"{f.message}; exit code {code} is permanent (permanentExitCodes)",
+            )
             return True
 
     succeeded = [w for w in current if w.phase == "Succeeded"]

@@ -63,6 +63,28 @@ def security(pod: Obj, container: Obj) -> Obj:
     }
 
 
+# The kubelet's terminationMessagePolicy FallbackToLogsOnError: a container that failed without
+# writing a termination message gets its log's last 80 lines, at most 2 KiB, as the message
+# (MaxContainerTerminationMessageLogLines and ...LogLength in the kubelet).
+FALLBACK_LOG_LINES = 80
+FALLBACK_LOG_BYTES = 2048
+
+
+def fallback_message(spec: Obj, log_file: Path) -> str:
+    """The terminated state's message of a failed container: its log tail under
+    FallbackToLogsOnError, nothing otherwise (the nodelet writes no termination message file)."""
+    if spec.get("terminationMessagePolicy") != "FallbackToLogsOnError":
+        return ""
+    try:
+        with open(log_file, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - FALLBACK_LOG_BYTES))
+            tail = f.read().decode(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(tail.splitlines()[-FALLBACK_LOG_LINES:])
+
+
 async def patch_status(api: KubeApi, pod: Obj, status: Obj) -> None:
     """Patches a pod's status. The patch carries the pod's UID, as the kubelet's does, so a late
     report never lands on a new pod of the same name (the operator reuses worker names)."""
@@ -277,7 +299,8 @@ class PodWorker:
         returncode = await proc.wait()
         self.procs.pop(run.name, None)
         st.proc_file(self.uid, run.name).unlink(missing_ok=True)
-        run.terminated(exit_code(returncode))
+        code = exit_code(returncode)
+        run.terminated(code, fallback_message(spec, log_file) if code != 0 else "")
         log.info("pod %s/%s container %s exited with %d", self.ns, self.name, run.name, run.exit_code)
         self._update_ready()
         await self.report()
