@@ -165,6 +165,7 @@ def release_cases() -> list[dict[str, Any]]:
     """Train 2 steps, drop the wrapped model and its optimizer: is everything freed?"""
     cases = [_c("release-ddp", strategy="ddp", collective="native")]
     cases += [_c(f"release-zero{s}", strategy="fsdp", zero_stage=s, collective="native") for s in (1, 2, 3)]
+    cases += [_c("release-pp2", strategy="pipeline", pipeline_stages=2, collective="native")]
     return [{**c, "steps": 2, "measure": "release"} for c in cases]
 
 

@@ -219,8 +219,8 @@ def weak_hook(owner: object, method: str, *bound: Any) -> Callable[..., Any]:
     not hold the module's tensors either (pass indices, not objects that hold parameters)."""
     ref = weakref.ref(owner)
 
-    def hook(*args: Any) -> Any:
+    def hook(*args: Any, **kwargs: Any) -> Any:
         target = ref()
-        return None if target is None else getattr(target, method)(*bound, *args)
+        return None if target is None else getattr(target, method)(*bound, *args, **kwargs)
 
     return hook

@@ -250,37 +250,39 @@ class Pipeline(common.Wrapper):
                 sub._parameters[attr] = placeholder[id(p)]
 
     def _install_hooks(self, module: nn.Module) -> None:
+        # Through weak references (common.weak_hook): the module holds its hooks, and a hook
+        # holding this wrapper would keep a dropped pipeline alive until a gc.collect().
         s, bounds = self.stage, self.plan.boundaries
+        weak = common.weak_hook
         if s > 0:
-            module.get_submodule(bounds[s - 1]).register_forward_pre_hook(self._substitute, with_kwargs=True)
+            boundary = module.get_submodule(bounds[s - 1])
+            boundary.register_forward_pre_hook(weak(self, "_substitute"), with_kwargs=True)
             for name in self.plan.stand_ins[s]:
                 sub = module.get_submodule(name)
-                sub.forward = self._stand_in(name)
+                sub.forward = weak(self, "_stand_in", name)
         if s < self.stages - 1:
-            module.get_submodule(bounds[s]).register_forward_pre_hook(self._capture, with_kwargs=True)
+            module.get_submodule(bounds[s]).register_forward_pre_hook(
+                weak(self, "_capture"), with_kwargs=True
+            )
             for name in self.plan.stand_ins[s + 1]:
-                module.get_submodule(name).register_forward_hook(self._recorder(name))
+                module.get_submodule(name).register_forward_hook(weak(self, "_record", name))
 
-    def _stand_in(self, name: str) -> Callable[..., Any]:
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            spec = self._specs.get(name)
-            if spec is None:
-                raise RuntimeError(
-                    f"pipeline stage {self.stage}: module {name} (an earlier stage's) ran, but the previous "
-                    "stage did not see it run before its boundary; choose split points in forward order"
-                )
-            out = zeros_of(spec, self._device)
-            assert self._mb is not None
-            self._mb.stand_ins.extend(common.tensors_in(out))
-            return out
+    def _stand_in(self, name: str, *_args: Any, **_kwargs: Any) -> Any:
+        """The forward of module `name`, an earlier stage's, on this stage: zeros shaped as its
+        output was on the stage that ran it."""
+        spec = self._specs.get(name)
+        if spec is None:
+            raise RuntimeError(
+                f"pipeline stage {self.stage}: module {name} (an earlier stage's) ran, but the previous "
+                "stage did not see it run before its boundary; choose split points in forward order"
+            )
+        out = zeros_of(spec, self._device)
+        assert self._mb is not None
+        self._mb.stand_ins.extend(common.tensors_in(out))
+        return out
 
-        return forward
-
-    def _recorder(self, name: str) -> Callable[..., None]:
-        def record(_module: nn.Module, _args: Any, output: Any) -> None:
-            self._specs[name] = spec_of(output)
-
-        return record
+    def _record(self, name: str, _module: nn.Module, _args: Any, output: Any) -> None:
+        self._specs[name] = spec_of(output)
 
     # -- the boundaries ------------------------------------------------------------------------
     def _substitute(self, _module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
