@@ -15,8 +15,8 @@ Peaks are the vendors' dense (no sparsity) figures per GPU, for the precision th
 run in: bf16/fp16 on the tensor cores; fp32 either as TF32 on the tensor cores (only when torch
 allows it: `torch.backends.cuda.matmul.fp32_precision = "tf32"`, `allow_tf32 = True` or
 `torch.set_float32_matmul_precision("high"/"medium")`) or as plain FP32 on the CUDA cores, which
-is torch's default and 7-15x slower (#41: fp32 MFU used to be measured against the TF32 peak
-while TF32 was off, which made it look 7x worse than it was).
+is torch's default and 7-15x slower: measured against the TF32 peak, an fp32 run's MFU would
+look 7x worse than it is.
 """
 
 from __future__ import annotations
