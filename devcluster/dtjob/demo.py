@@ -51,16 +51,16 @@ class Demo:
         return _run([self.kubectl_path, *args], check=check)
 
     def cluster_up(self) -> None:
+        # `up` on a running cluster changes nothing, but refuses one whose pods would run another
+        # checkout's code.
         status = _run([*self.dtjob, "devcluster", "status"], check=False)
-        if status.returncode == 0:
-            print("devcluster: already running")
-        else:
+        if status.returncode != 0:
             print(
                 "devcluster: starting (etcd, kube-apiserver, controller-manager, scheduler, 3 nodelets) ..."
             )
-            up = subprocess.run([*self.dtjob, "devcluster", "up"], check=False)
-            if up.returncode != 0:
-                raise SystemExit("demo: `dtjob devcluster up` failed (see its output above)")
+        up = subprocess.run([*self.dtjob, "devcluster", "up"], check=False)
+        if up.returncode != 0:
+            raise SystemExit("demo: `dtjob devcluster up` failed (see its output above)")
         os.environ["KUBECONFIG"] = str(self.layout.admin_kubeconfig)
 
     def install_crd(self) -> None:

@@ -121,6 +121,22 @@ def test_up_on_a_running_cluster_changes_nothing(devcluster: Devcluster) -> None
     assert dtjob_devcluster("status", timeout=60).stdout == before  # same pids, all still healthy
 
 
+def test_up_refuses_a_cluster_whose_pods_run_another_checkout(devcluster: Devcluster) -> None:
+    # Every pod runs the code of the checkout that started its node: a clone's tests on the work
+    # tree's cluster would test the work tree (issue #46). Pretend node 1 came from elsewhere.
+    record = devcluster.layout.node_checkout_file("dtjob-node-1")
+    ours = record.read_text()
+    record.write_text("/elsewhere/dtjob\n")
+    try:
+        refused = dtjob_devcluster("up")
+    finally:
+        record.write_text(ours)
+    assert refused.returncode != 0
+    assert "dtjob-node-1 runs /elsewhere/dtjob" in refused.stderr, refused.stderr
+    assert ours.strip() in refused.stderr and "`dtjob devcluster down`" in refused.stderr
+    assert dtjob_devcluster("up").returncode == 0, "its own checkout again: nothing to refuse"
+
+
 def test_up_leaves_a_node_stopped_on_purpose_stopped(devcluster: Devcluster) -> None:
     node = "dtjob-node-3"
     assert dtjob_devcluster("node", "stop", node).returncode == 0

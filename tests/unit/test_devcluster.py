@@ -13,7 +13,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from dtjob.devcluster import controlplane
+from dtjob.devcluster import controlplane, nodes
 from dtjob.devcluster.binaries import VERSIONS_FILE, Binaries, read_versions
 from dtjob.devcluster.errors import DevclusterError
 from dtjob.devcluster.layout import Layout, node_index, node_name
@@ -142,3 +142,28 @@ def test_net_command_takes_only_down_or_up() -> None:
     result = _devcluster("net", "sideways", "job-worker-1")
     assert result.returncode == 2
     assert "'down', 'up'" in result.stderr
+
+
+def test_a_cluster_whose_nodes_run_another_checkout_is_refused_naming_it(tmp_path: Path) -> None:
+    layout = Layout(tmp_path)
+    ours = str(nodes.CHECKOUT)
+    nodes.check_same_checkout(layout, {"dtjob-node-1": ours, "dtjob-node-2": ours})
+    with pytest.raises(DevclusterError) as refused:
+        nodes.check_same_checkout(
+            layout, {"dtjob-node-1": ours, "dtjob-node-2": "/elsewhere/dtjob", "dtjob-node-3": ""}
+        )
+    message = str(refused.value)
+    assert (
+        "dtjob-node-2 runs /elsewhere/dtjob" in message
+        and "dtjob-node-3 runs an unrecorded checkout" in message
+    )
+    assert "dtjob-node-1" not in message and ours in message and "`dtjob devcluster down`" in message
+
+
+def test_a_started_node_records_the_checkout_its_pods_run(tmp_path: Path) -> None:
+    layout = Layout(tmp_path)
+    assert nodes.checkout(layout, "dtjob-node-1") == ""
+    layout.node_dir("dtjob-node-1").mkdir(parents=True)
+    layout.node_checkout_file("dtjob-node-1").write_text(f"{nodes.CHECKOUT}\n")
+    assert nodes.checkout(layout, "dtjob-node-1") == str(nodes.CHECKOUT)
+    assert str(nodes.CHECKOUT / "trainer_image") in nodes.environment()["PYTHONPATH"].split(os.pathsep)

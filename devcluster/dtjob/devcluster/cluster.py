@@ -158,6 +158,8 @@ def up(layout: Layout, requested: dict[str, object], timeout: float = COMPONENT_
                     f"a cluster is already up in {layout.root} with {asdict(saved)}; "
                     f"run `dtjob devcluster down` first to change {', '.join(sorted(changed))}"
                 )
+            live = [name for name in saved.node_names if nodes.pid(layout, name) is not None]
+            nodes.check_same_checkout(layout, {name: nodes.checkout(layout, name) for name in live})
         else:
             config = ClusterConfig(**{k: v for k, v in requested.items() if v is not None})  # type: ignore[arg-type]
         if config.nodes < 0 or config.gpus_per_node < 0:

@@ -1,7 +1,8 @@
 """Where the devcluster keeps its state, and the fixed names and ports everyone relies on.
 
 The state directory lives outside the checkout ($DTJOB_DEVCLUSTER_DIR, default
-/var/tmp/dtjob-devcluster) so several checkouts share one cluster and `git clean` never kills it:
+/var/tmp/dtjob-devcluster) so `git clean` never kills it and several test sessions of one checkout
+share it (pods run the code of the checkout that started their node: `up` refuses another's):
 
     pki/                  CA, service-account keys, component certificates
     admin.kubeconfig      cluster-admin credentials (what `dtjob devcluster env` exports)
@@ -139,6 +140,10 @@ class Layout:
 
     def node_pid_file(self, name: str) -> Path:
         return self.node_dir(name) / "nodelet.pid"
+
+    def node_checkout_file(self, name: str) -> Path:
+        """The checkout whose Python and sources the node's nodelet, and so its pods, run."""
+        return self.node_dir(name) / "checkout"
 
     def node_stopped_file(self, name: str) -> Path:
         """Present while a node is stopped on purpose (`node stop`): `up` leaves it stopped."""

@@ -9,11 +9,13 @@ from pathlib import Path
 
 from dtjob.devcluster import processes
 from dtjob.devcluster.binaries import DEVCLUSTER_SOURCE
+from dtjob.devcluster.errors import DevclusterError
 from dtjob.devcluster.layout import BRIDGE, BRIDGE_ADDRESS, KUBELET_BASE_PORT, Layout, node_index, pod_cidr
 
-# The checkout's source roots (the namespace package dtjob spans them); prepended to the nodelet's
-# PYTHONPATH so it and its pods import this checkout even without the editable install.
-SOURCE_ROOTS = [DEVCLUSTER_SOURCE.parent / d for d in ("operator", "trainer_image", "devcluster")]
+# This checkout, and its source roots (the namespace package dtjob spans them): prepended to the
+# nodelet's PYTHONPATH so it and its pods import this checkout even without the editable install.
+CHECKOUT = DEVCLUSTER_SOURCE.parent
+SOURCE_ROOTS = [CHECKOUT / d for d in ("operator", "trainer_image", "devcluster")]
 
 
 @dataclass(frozen=True)
@@ -70,9 +72,35 @@ def start(layout: Layout, name: str, shape: NodeShape) -> int:
     running = pid(layout, name)
     if running is not None:
         return running
+    layout.node_checkout_file(name).write_text(f"{CHECKOUT}\n")
     return processes.start(
         command(layout, name, shape), layout.log(name), layout.node_pid_file(name), environment()
     )
+
+
+def checkout(layout: Layout, name: str) -> str:
+    """The checkout a running node's pods run ("" when unknown: started before it was recorded)."""
+    try:
+        return layout.node_checkout_file(name).read_text().strip()
+    except OSError:
+        return ""
+
+
+def check_same_checkout(layout: Layout, running: dict[str, str]) -> None:
+    """Refuses a cluster whose nodelets run another checkout's code: every pod (the workers, the
+    helm chart's operator) runs the Python and sources of the checkout that started its node, so a
+    test or demo of this checkout on that cluster would silently run the other one's trainer and
+    operator (issue #46). `running`: node name -> its checkout."""
+    others = {node: path for node, path in running.items() if path != str(CHECKOUT)}
+    if others:
+        where = ", ".join(
+            f"{node} runs {path or 'an unrecorded checkout'}" for node, path in sorted(others.items())
+        )
+        raise DevclusterError(
+            f"the devcluster in {layout.root} runs another checkout's code ({where}), and its pods "
+            f"would run that code, not this checkout's ({CHECKOUT}); `dtjob devcluster down` it "
+            "first (or use that checkout)"
+        )
 
 
 def stop(layout: Layout, name: str) -> None:
