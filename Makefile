@@ -24,6 +24,7 @@ binaries:
 # devcluster when none is up and stops it again at the end).
 test: venv binaries
 	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	$(PY) -m mypy
 	$(PY) -m pytest $(PYTEST_ARGS)
 	$(MAKE) test-floor
