@@ -269,17 +269,20 @@ class Kube:
         return str(renewed) if renewed else None
 
     def _failed_worker_logs(self, job: JobView, pods: list[dict[str, Any]]) -> dict[str, str]:
-        """Log tails of the current generation's workers that failed (not a stop after a
-        checkpoint): an EXIT_PEER_LOST log names the rank that went silent, a pod agent's last line
-        counts its restarts in place, and any failure's last line goes on the job's event. At most
-        settings.log_reads_per_pass of them, those without a termination message naming the lost
-        rank first."""
+        """Log tails of the current generation's workers that exited EXIT_PEER_LOST (they name the
+        rank that went silent), that failed when the pods restart in place (their agent's last line
+        counts its restarts in place), and that failed without a termination message (the job's
+        event quotes a failure's last line; FallbackToLogsOnError makes it the message on a
+        kubelet). At most settings.log_reads_per_pass of them, those without a termination
+        message naming the lost rank first."""
+        in_place = not job.spec_errors and job.restart_in_place
         candidates = [
             w
             for w in (Worker.of(pod) for pod in pods)
             if w.generation == job.status.get("generation")
             and w.phase == "Failed"
             and w.exit_code != contract.EXIT_STOPPED
+            and (w.exit_code == contract.EXIT_PEER_LOST or in_place or not w.message)
         ]
         candidates.sort(key=lambda w: contract.parse_peer_lost_line(w.message or "") is not None)
         logs: dict[str, str] = {}
