@@ -76,9 +76,9 @@ def not_supported(wrapper: str, method: str, instead: str) -> NoReturn:
 
 
 # What to say instead of a method, shared by the wrappers (issue #40, README "The torch surface").
+INSTEAD_COLLECTIVE = "dtjob's own collectives reduce the gradients: choose their algorithm with collective="
 INSTEAD_COMM_HOOK = (
-    "dtjob's own collectives reduce the gradients: choose their algorithm with collective=, and "
-    "compress them with data_parallel(grad_compression='bf16' or 'fp16')"
+    f"{INSTEAD_COLLECTIVE}, and compress them with data_parallel(grad_compression='bf16' or 'fp16')"
 )
 INSTEAD_JOIN = (
     "give every rank the same number of batches (ElasticSession.batch_sampler / "

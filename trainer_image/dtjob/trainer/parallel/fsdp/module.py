@@ -235,7 +235,7 @@ class FullyShardedModule(common.Wrapper):
         self._sync = bool(requires_gradient_sync) or self.stage != 1
 
     def register_comm_hook(self, state: object, hook: Any) -> None:
-        common.not_supported("fully_shard", "register_comm_hook", common.INSTEAD_COMM_HOOK.split(", and")[0])
+        common.not_supported("fully_shard", "register_comm_hook", common.INSTEAD_COLLECTIVE)
 
     def join(self, *args: Any, **kwargs: Any) -> Any:
         common.not_supported("fully_shard", "join", common.INSTEAD_JOIN)
