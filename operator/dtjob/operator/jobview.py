@@ -48,7 +48,7 @@ __all__ = [
     "JobView",
 ]
 
-# Labels of DESIGN.md ("What the operator gives each worker pod").
+# Labels of every worker pod (docs/design.md, "Labels, annotations, finalizer").
 LABEL_JOB = "training.dtjob.io/job-name"
 LABEL_RANK = "training.dtjob.io/rank"
 LABEL_GENERATION = "training.dtjob.io/generation"

@@ -2,8 +2,8 @@
 
 Pure functions of the job (a JobView) and of what they are given (the installer's worker defaults),
 so the reconciler can decide with them and the unit tests
-can check them without a cluster. The shapes follow DESIGN.md ("What the operator gives each
-worker pod").
+can check them without a cluster. What each worker pod gets (environment, labels, ports) is
+tabled in docs/design.md.
 """
 
 from __future__ import annotations
