@@ -82,8 +82,7 @@ def test_the_rule_and_its_reasons(elastic: dict[str, Any], command: list[str], o
     assert (rule.on, rule.reason) == (on, reason)
     assert JobView(job).restart_in_place is on
     condition = _condition(_first_pass(job))
-    assert (condition["status"], condition["reason"], condition["message"]) == (
-        str(on), reason, rule.message)  # fmt: skip
+    assert (condition["status"], condition["reason"], condition["message"]) == (str(on), reason, rule.message)
     has_agent = "DTJOB_AGENT_PORT" in env_of(worker_pod(JobView(job), 0, 2, 0, WorkerDefaults()))
     assert has_agent is on
 
