@@ -20,12 +20,12 @@ $(STAMP): pyproject.toml constraints.txt
 binaries:
 	@bash devcluster/build-binaries.sh >/dev/null
 
-# Everything CI runs: lint, unit, trainer and e2e tests (the e2e session fixture starts the
-# devcluster when none is up and stops it again at the end).
-test: venv binaries
-	$(PY) -m ruff check .
-	$(PY) -m ruff format --check .
-	$(PY) -m mypy
+# Everything CI runs: lint first (seconds, before any cluster build), then unit, trainer and e2e
+# tests, each under a per-test timeout (tests/timeouts.py); the e2e session fixture starts the
+# devcluster when none is up and stops it again at the end.
+test: venv
+	$(MAKE) lint
+	$(MAKE) binaries
 	$(PY) -m pytest $(PYTEST_ARGS)
 	$(MAKE) test-floor
 

@@ -50,11 +50,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from prometheus_client.parser import text_string_to_metric_families
 
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
-from tests.e2e.scale_harness import (  # noqa: E402
+from dtjob.devcluster.layout import Layout
+from dtjob.devcluster.scale_harness import (
     Admin,
     PodWatch,
     created_once,
@@ -65,8 +64,7 @@ from tests.e2e.scale_harness import (  # noqa: E402
     wait,
 )
 
-from dtjob.devcluster.layout import Layout  # noqa: E402
-
+REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
 CRD = REPO / "crds" / "training.dtjob.io_distributedtrainingjobs.yaml"
 FAKE_NODES, GPUS_PER_NODE = 128, 8

@@ -2,8 +2,8 @@
 # Builds the local cluster's binaries from the Go module proxy and caches them per version:
 #   $DTJOB_CACHE/bin/k8s-v<K>/{kube-apiserver,kube-controller-manager,kube-scheduler,kubectl}
 #   $DTJOB_CACHE/bin/etcd-v<E>/etcd      $DTJOB_CACHE/bin/helm-v<H>/helm
-# With --volcano also Volcano's scheduler and controller manager, from the source tarball in
-# ../shared/fixtures/volcano/ (its module is not on the proxy; every module it needs is), with
+# With --volcano also Volcano's scheduler and controller manager, from its release source tarball
+# (its module is not on the proxy; every module it needs is; see volcano_tarball below), with
 # the tarball's CRDs and scheduler configuration beside them:
 #   $DTJOB_CACHE/bin/volcano-v<V>/{vc-scheduler,vc-controller-manager,crd/,config/}
 # A binary that is already cached is not rebuilt. Prints the bin directories on the last line.
@@ -102,18 +102,10 @@ build_helm() {
   mv "$helm_bin/helm.tmp" "$helm_bin/helm"
 }
 
-# The tarball: $DTJOB_VOLCANO_TARBALL, else shared/ beside the work tree, else beside the
-# repository this one was cloned from (`git clone . /tmp/x`, as CI does).
+# The tarball: $DTJOB_VOLCANO_TARBALL, else shared/fixtures/volcano/ beside the checkout (or the
+# repository it was cloned from), else Volcano's upstream release (dtjob/devcluster/volcano_source.py).
 volcano_tarball() {
-  local name=volcano-$VOLCANO_VERSION-src.tar.gz repo origin
-  if [ -n "${DTJOB_VOLCANO_TARBALL:-}" ]; then echo "$DTJOB_VOLCANO_TARBALL"; return; fi
-  repo=$(cd "$here/.." && pwd)
-  origin=$(git -C "$repo" remote get-url origin 2>/dev/null || true)
-  for root in "$repo/.." ${origin:+"$origin/.."}; do
-    if [ -f "$root/shared/fixtures/volcano/$name" ]; then echo "$root/shared/fixtures/volcano/$name"; return; fi
-  done
-  echo "devcluster: $name is missing: looked in shared/fixtures/volcano/ beside $repo${origin:+ and beside $origin}; set DTJOB_VOLCANO_TARBALL to its path" >&2
-  return 1
+  python3 "$here/dtjob/devcluster/volcano_source.py" "$VOLCANO_VERSION" "$(cd "$here/.." && pwd)" "$cache"
 }
 
 build_volcano() {

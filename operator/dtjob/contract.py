@@ -182,3 +182,54 @@ def parse_complete_line(text: str) -> Completion | None:
         int(ckpt_step) if ckpt_step is not None else None,
         float(ckpt_time) if ckpt_time is not None else None,
     )
+
+
+# --- what each name means (docs/design.md's tables are generated from these) ----------------------
+# Who sets a variable: the operator in the pod spec, dtjob's launcher per process, the pod's agent
+# per round restarted in place, or the user in the job's template.
+ENVIRONMENT: dict[str, tuple[str, str]] = {
+    ENV_MASTER_ADDR: ("operator", "rank 0's pod DNS name: the rendezvous store's host"),
+    ENV_MASTER_PORT: ("operator", "the rendezvous store's port (spec.masterPort)"),
+    ENV_WORLD_SIZE: ("operator", "processes in the gang: DTJOB_PODS * LOCAL_WORLD_SIZE"),
+    ENV_RANK: ("operator, launcher", "this process's global rank (the operator gives the pod's first)"),
+    ENV_LOCAL_RANK: ("operator, launcher", "rank inside the pod (0 from the operator)"),
+    ENV_LOCAL_WORLD_SIZE: ("operator", "processes per pod (spec.nprocPerWorker)"),
+    ENV_POD_RANK: ("operator", "the pod's rank: RANK = POD_RANK * LOCAL_WORLD_SIZE + LOCAL_RANK"),
+    ENV_PODS: ("operator", "worker pods in the gang"),
+    ENV_JOB_NAME: ("operator", "the job's metadata.name"),
+    ENV_NAMESPACE: ("operator", "the job's namespace"),
+    ENV_GENERATION: (
+        "operator",
+        "the gang's generation (status.generation): new at each restart in new pods",
+    ),
+    ENV_JOB_UID: ("operator", "the job's metadata.uid: with the generation, who may write checkpoints"),
+    ENV_CHECKPOINT_DIR: ("operator", "where the checkpoint volume is mounted (spec.checkpoint.mountPath)"),
+    ENV_METRICS_PORT: ("operator", "the Prometheus port of LOCAL_RANK 0; local rank r serves on this + r"),
+    ENV_DEVICE: ("user", "auto, cpu or cuda (unset: auto)"),
+    ENV_HEARTBEAT_TIMEOUT: ("operator", "a rank silent this long is lost (elastic.heartbeatTimeoutSeconds)"),
+    ENV_AGENT_PORT: ("operator", "pod 0's agent's port (masterPort + 1); only with restarts in place"),
+    ENV_RESTARTS_LEFT: ("operator", "restarts in place the gang may still make; only with restarts in place"),
+    ENV_PERMANENT_EXIT_CODES: ("operator", "exit codes never restarted in place (comma list)"),
+    ENV_IN_PLACE_RESTARTS: ("agent", "restarts in place of this generation so far (unset: none)"),
+    ENV_RESTART_CAUSE: ("agent", "what failed before the last restart in place"),
+}
+
+EXIT_CODES: dict[int, str] = {
+    EXIT_OK: "training complete",
+    EXIT_FAILURE: "any failure not named below: the gang restarts (counted)",
+    EXIT_CONFIG_ERROR: "bad flags, environment or user code: permanent under restartPolicy ExitCode",
+    EXIT_STALE_GENERATION: "this process belongs to a replaced gang (trainer/fence.py): it stops",
+    EXIT_STOPPED: "stopped on SIGTERM after a checkpoint: the gang restarts uncounted",
+    EXIT_PEER_LOST: "a peer went silent or failed: the log names it (peer-lost line), the gang restarts",
+}
+
+# Gauges every trainer process serves; the operator reads global rank 0's.
+METRICS: dict[str, str] = {
+    METRIC_STEP: "the last optimizer step completed",
+    METRIC_LAST_CHECKPOINT_STEP: "the step of the newest checkpoint written",
+    METRIC_LAST_CHECKPOINT_TIME: "when it was written (unix seconds)",
+    METRIC_CHECKPOINT_FAILURES: "checkpoint writes failed since the last success",
+    METRIC_WORLD_SIZE: "processes in the gang",
+    METRIC_GENERATION: "the gang's generation (DTJOB_GENERATION)",
+    METRIC_IN_PLACE_RESTARTS: "DTJOB_IN_PLACE_RESTARTS, label `cause` = DTJOB_RESTART_CAUSE",
+}

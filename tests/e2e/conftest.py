@@ -156,7 +156,7 @@ def wait_for_phase(namespace: str, name: str, want: str, timeout: float) -> None
 
 
 def volcano_podgroup_crd() -> Path:
-    """Volcano's PodGroup CRD from the shared fixtures (`../shared/fixtures/volcano`, DESIGN.md).
+    """Volcano's PodGroup CRD from the shared fixtures (`shared/fixtures/volcano/` beside the checkout).
 
     `shared/` sits beside the work tree; a clone made elsewhere (`git clone . /tmp/x`, as CI does)
     finds it beside the repository it was cloned from. A missing fixture fails the test: a skip

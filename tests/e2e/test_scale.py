@@ -18,9 +18,7 @@ from typing import Any
 import pytest
 
 from dtjob.devcluster import kwok
-from tests.e2e.conftest import Devcluster, dtjob_devcluster, kubectl, kubectl_json, wait_for
-from tests.e2e.operator_harness import Operator, apply, operator_namespace, status
-from tests.e2e.scale_harness import (
+from dtjob.devcluster.scale_harness import (
     Admin,
     PodWatch,
     created_once,
@@ -28,6 +26,8 @@ from tests.e2e.scale_harness import (
     outside_pod_network,
     simulated_job,
 )
+from tests.e2e.conftest import Devcluster, dtjob_devcluster, kubectl, kubectl_json, wait_for
+from tests.e2e.operator_harness import Operator, apply, operator_namespace, status
 
 pytestmark = pytest.mark.e2e
 FAKE_NODES = 64

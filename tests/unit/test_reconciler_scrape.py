@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from dtjob.operator.kube import final_state_from_log, parse_trainer_metrics
+from dtjob.operator.kube import final_state_from_log
 from dtjob.operator.reconciler import TrainerProgress
+from dtjob.operator.scrape import parse_trainer_metrics
 
 EXPOSITION = """# HELP dtjob_trainer_step Last completed step
 # TYPE dtjob_trainer_step gauge

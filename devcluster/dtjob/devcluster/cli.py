@@ -73,8 +73,9 @@ def parser() -> argparse.ArgumentParser:
         "--volcano",
         action="store_true",
         default=None,
-        help="also run Volcano's scheduler and controller manager (built from ../shared/fixtures/volcano "
-        "on first use, ~10 min) with its CRDs and the default queue; adds them to a running cluster",
+        help="also run Volcano's scheduler and controller manager (built from its release source "
+        "on first use, ~10 min; see DTJOB_VOLCANO_TARBALL in devcluster/README.md) with its CRDs "
+        "and the default queue; adds them to a running cluster",
     )
     sub.add_parser("down", help="stop everything and remove processes, network and mounts")
     sub.add_parser("status", help="show components and nodes; exit 1 unless all are healthy")

@@ -2,8 +2,8 @@
 vc-controller-manager and vc-scheduler as host processes, each with a client certificate of its
 own and the RBAC it needs (nothing it does not), like the other controllers.
 
-The binaries, CRDs and scheduler configurations come from Volcano's release source in
-../shared/fixtures/volcano/ (built and copied into the cache by build-binaries.sh --volcano).
+The binaries, CRDs and scheduler configurations come from Volcano's release source (found by
+volcano_source.py; built and copied into the cache by build-binaries.sh --volcano).
 
 Left out: Volcano's admission webhooks (vc-webhook-manager). They need a serving certificate the
 API server trusts and a Service the API server can reach, and this cluster has no kube-proxy, so

@@ -129,7 +129,10 @@ class ElasticPolicy(ApiModel):
         "from its newest checkpoint, counted in status.restarts like any restart. A pod or node "
         "that is lost, a permanent exit code, or a pod whose agent does not answer still restart "
         "the gang in new pods. Needs dtjob in the image. Unset: on when the trainer container's "
-        "command is `python -m dtjob.trainer`. The agent listens on masterPort + 1.",
+        "command is `python -m dtjob.trainer`, off otherwise, also with no command (the "
+        "image's ENTRYPOINT, which the operator cannot read). True with no command runs "
+        "`python -m dtjob.trainer` (the trainer image's ENTRYPOINT) under the agent. Condition "
+        "RestartInPlace says which applies and why. The agent listens on masterPort + 1.",
     )
     permanent_exit_codes: list[Annotated[int, Field(ge=1, le=255)]] = Field(
         default_factory=lambda: [2, 126, 127],

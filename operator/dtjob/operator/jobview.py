@@ -8,7 +8,6 @@ bad fields, so the reconciler can report them (condition Valid=False) before tou
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
@@ -30,6 +29,7 @@ from dtjob.api.models import (
     RestartPolicy,
 )
 from dtjob.api.rules import InvalidJobError
+from dtjob.operator import in_place
 from dtjob.operator.quantity import parse_quantity
 
 __all__ = [
@@ -48,7 +48,7 @@ __all__ = [
     "JobView",
 ]
 
-# Labels of DESIGN.md ("What the operator gives each worker pod").
+# Labels of every worker pod (docs/design.md, "Labels, annotations, finalizer").
 LABEL_JOB = "training.dtjob.io/job-name"
 LABEL_RANK = "training.dtjob.io/rank"
 LABEL_GENERATION = "training.dtjob.io/generation"
@@ -71,15 +71,6 @@ GPU_RESOURCE = "nvidia.com/gpu"
 
 # The exit code of a trainer that stopped cleanly after a checkpoint (dtjob.contract).
 EXIT_CHECKPOINTED = contract.EXIT_STOPPED
-
-
-# `python[3[.11]] [-u] -m dtjob.trainer ...`: dtjob's own trainer, which restarts in place by default.
-_DTJOB_TRAINER = re.compile(r"(?:.*/)?python[\d.]*(?: -u)? -m dtjob\.trainer(?: .*)?")
-
-
-def runs_dtjob_trainer(command: list[str]) -> bool:
-    """Whether a container's command (with its args) runs dtjob's trainer."""
-    return _DTJOB_TRAINER.fullmatch(" ".join(str(word) for word in command)) is not None
 
 
 def _get(obj: Mapping[str, Any] | None, *path: str, default: Any = None) -> Any:
@@ -201,16 +192,19 @@ class JobView:
 
     @property
     def restart_in_place(self) -> bool:
-        """Whether the pods run under dtjob's agent, which restarts the gang in place
-        (elastic.restartInPlace; unset: when the trainer runs `python -m dtjob.trainer`); never
-        under restartPolicy Never."""
-        if self.spec.elastic.restart_policy == RestartPolicy.NEVER:
-            return False
-        chosen = self.spec.elastic.restart_in_place
-        if chosen is not None:
-            return chosen
+        """Whether the pods run under dtjob's agent, which restarts the gang in place."""
+        return self.restart_in_place_rule.on
+
+    @property
+    def restart_in_place_rule(self) -> in_place.InPlaceRule:
+        """Restarts in place on or off, and why (dtjob.operator.in_place)."""
         container = self.spec.trainer_container() or {}
-        return runs_dtjob_trainer([*(container.get("command") or []), *(container.get("args") or [])])
+        return in_place.decide(
+            self.spec.elastic.restart_policy == RestartPolicy.NEVER,
+            self.spec.elastic.restart_in_place,
+            [str(word) for word in container.get("command") or []],
+            [str(word) for word in container.get("args") or []],
+        )
 
     @property
     def permanent_exit_codes(self) -> list[int]:

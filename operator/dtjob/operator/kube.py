@@ -12,7 +12,6 @@ import copy
 import functools
 import json
 import logging
-import re
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import UTC, datetime
@@ -59,12 +58,6 @@ NODE_LEASE_NAMESPACE = "kube-node-lease"
 LEASE_READS = 16
 # The queue of a PodGroup that names none (vc-scheduler's --default-queue).
 DEFAULT_QUEUE = "default"
-TRAINER_GAUGES = {
-    contract.METRIC_STEP: "step",
-    contract.METRIC_LAST_CHECKPOINT_STEP: "checkpoint_step",
-    contract.METRIC_LAST_CHECKPOINT_TIME: "checkpoint_time",
-    contract.METRIC_CHECKPOINT_FAILURES: "checkpoint_failures",
-}
 
 
 def load_config() -> None:
@@ -77,48 +70,6 @@ def load_config() -> None:
 
 def _dict(api: client.ApiClient, obj: Any) -> dict[str, Any]:
     return cast(dict[str, Any], api.sanitize_for_serialization(obj))
-
-
-# `dtjob_trainer_in_place_restarts{cause="..."} N` (the cause escaped as Prometheus escapes labels)
-_IN_PLACE_SAMPLE = re.compile(
-    re.escape(contract.METRIC_IN_PLACE_RESTARTS) + r'\{cause="((?:[^"\\]|\\.)*)"\} (\S+)'
-)
-
-
-def parse_trainer_metrics(text: str) -> TrainerProgress:
-    """Pick the trainer's gauges out of Prometheus text exposition format."""
-    values: dict[str, float] = {}
-    in_place, cause = None, None
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        sample = _IN_PLACE_SAMPLE.match(line)
-        if sample is not None:
-            try:
-                in_place = int(float(sample.group(2)))
-            except ValueError:
-                continue
-            cause = re.sub(r"\\(.)", lambda m: "\n" if m.group(1) == "n" else m.group(1), sample.group(1))
-            continue
-        name, _, rest = line.partition(" ")
-        name = name.split("{", 1)[0]
-        if name in TRAINER_GAUGES:
-            try:
-                values[TRAINER_GAUGES[name]] = float(rest.split()[0])
-            except (ValueError, IndexError):
-                continue
-    step = values.get("step")
-    checkpoint_step = values.get("checkpoint_step")
-    return TrainerProgress(
-        step=None if step is None else int(step),
-        # the trainer reports -1 (or nothing) before its first checkpoint
-        checkpoint_step=None if checkpoint_step is None or checkpoint_step < 0 else int(checkpoint_step),
-        checkpoint_time=values.get("checkpoint_time") or None,
-        checkpoints_published=checkpoint_step is not None,
-        checkpoint_failures=int(values["checkpoint_failures"]) if "checkpoint_failures" in values else None,
-        in_place_restarts=in_place,
-        restart_cause=cause or None,
-    )
 
 
 def final_state_from_log(text: str) -> TrainerProgress | None:

@@ -2,8 +2,8 @@
 
 Pure functions of the job (a JobView) and of what they are given (the installer's worker defaults),
 so the reconciler can decide with them and the unit tests
-can check them without a cluster. The shapes follow DESIGN.md ("What the operator gives each
-worker pod").
+can check them without a cluster. What each worker pod gets (environment, labels, ports) is
+tabled in docs/design.md.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from decimal import Decimal
 from typing import Any
 
 from dtjob import contract
+from dtjob.operator import in_place
 from dtjob.operator.jobview import (
     API_VERSION,
     KIND,
@@ -127,7 +128,7 @@ def _run_through_launcher(container: dict[str, Any]) -> None:
     """Several processes per pod, or restarts in place: the container runs `python -m
     dtjob.launcher -- <its command>`, which starts LOCAL_WORLD_SIZE copies of it (the image's
     ENTRYPOINT when the template gives no command: the trainer image's `python -m dtjob.trainer`)."""
-    command = list(container.get("command") or ["python", "-m", "dtjob.trainer"])
+    command = list(container.get("command") or in_place.TRAINER_ENTRYPOINT)
     args = list(container.get("args") or [])
     container["command"] = ["python", "-m", "dtjob.launcher", "--", *command, *args]
     container.pop("args", None)

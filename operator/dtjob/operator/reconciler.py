@@ -56,7 +56,7 @@ from typing import Any
 
 from dtjob import contract
 from dtjob.api import validate_job
-from dtjob.operator import gang, manifests
+from dtjob.operator import gang, in_place, manifests
 from dtjob.operator.actions import (
     Action,
     ApplyPodGroup,
@@ -465,6 +465,8 @@ def plan(obs: Observed, settings: ReconcilerSettings) -> Plan:
         return _finish(p)
     if p.condition("Valid") is not None:
         p.set_condition("Valid", True, "Valid", "the spec passes every rule")
+    if p.condition(in_place.CONDITION) is not None:  # set by _start: follows the spec from then on
+        _say_in_place(p)
 
     _silent_nodes(p)
     if not obs.service_exists:
@@ -572,6 +574,7 @@ def _first_pod_writes(actions: list[Action], limit: int) -> tuple[list[Action], 
 
 def _start(p: _Pass) -> None:
     p.status.update(generation=0, restarts=0, startTime=to_rfc3339(p.now))
+    _say_in_place(p)
     if p.job.suspend:
         p.status["replicas"] = 0
         p.set_phase(
@@ -584,6 +587,13 @@ def _start(p: _Pass) -> None:
     p.status["phase"] = PENDING
     p.set_condition("Created", True, "Created", f"generation 0: creating {size} workers")
     p.event("Created", f"generation 0: creating {size} workers")
+
+
+def _say_in_place(p: _Pass) -> None:
+    """Condition RestartInPlace: on or off, and why (dtjob.operator.in_place), so that a job never
+    goes without restarts in place unsaid."""
+    rule = p.job.restart_in_place_rule
+    p.set_condition(in_place.CONDITION, rule.on, rule.reason, rule.message)
 
 
 def _deadline_passed(p: _Pass) -> bool:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 import threading
 import time
 import urllib.request
@@ -30,6 +31,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from dtjob import contract
 from dtjob.operator.coalescer import Later
 from dtjob.operator.progress import TrainerProgress
 from dtjob.operator.settings import ObserverSettings
@@ -55,9 +57,57 @@ class _State:
     in_flight: bool = False
 
 
-def _scrape(url: str, timeout: float) -> TrainerProgress:
-    from dtjob.operator.kube import parse_trainer_metrics
+TRAINER_GAUGES = {
+    contract.METRIC_STEP: "step",
+    contract.METRIC_LAST_CHECKPOINT_STEP: "checkpoint_step",
+    contract.METRIC_LAST_CHECKPOINT_TIME: "checkpoint_time",
+    contract.METRIC_CHECKPOINT_FAILURES: "checkpoint_failures",
+}
 
+
+# `dtjob_trainer_in_place_restarts{cause="..."} N` (the cause escaped as Prometheus escapes labels)
+_IN_PLACE_SAMPLE = re.compile(
+    re.escape(contract.METRIC_IN_PLACE_RESTARTS) + r'\{cause="((?:[^"\\]|\\.)*)"\} (\S+)'
+)
+
+
+def parse_trainer_metrics(text: str) -> TrainerProgress:
+    """Pick the trainer's gauges out of Prometheus text exposition format."""
+    values: dict[str, float] = {}
+    in_place, cause = None, None
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        sample = _IN_PLACE_SAMPLE.match(line)
+        if sample is not None:
+            try:
+                in_place = int(float(sample.group(2)))
+            except ValueError:
+                continue
+            cause = re.sub(r"\\(.)", lambda m: "\n" if m.group(1) == "n" else m.group(1), sample.group(1))
+            continue
+        name, _, rest = line.partition(" ")
+        name = name.split("{", 1)[0]
+        if name in TRAINER_GAUGES:
+            try:
+                values[TRAINER_GAUGES[name]] = float(rest.split()[0])
+            except (ValueError, IndexError):
+                continue
+    step = values.get("step")
+    checkpoint_step = values.get("checkpoint_step")
+    return TrainerProgress(
+        step=None if step is None else int(step),
+        # the trainer reports -1 (or nothing) before its first checkpoint
+        checkpoint_step=None if checkpoint_step is None or checkpoint_step < 0 else int(checkpoint_step),
+        checkpoint_time=values.get("checkpoint_time") or None,
+        checkpoints_published=checkpoint_step is not None,
+        checkpoint_failures=int(values["checkpoint_failures"]) if "checkpoint_failures" in values else None,
+        in_place_restarts=in_place,
+        restart_cause=cause or None,
+    )
+
+
+def _scrape(url: str, timeout: float) -> TrainerProgress:
     with urllib.request.urlopen(url, timeout=timeout) as response:
         return parse_trainer_metrics(response.read().decode())
 

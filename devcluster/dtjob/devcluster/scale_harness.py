@@ -1,6 +1,6 @@
-"""What the scale test and bench/scale.py share: jobs whose workers land on KWOK's simulated nodes,
-a watch that records every pod of a namespace as the API server reports it, and failing a
-simulated worker the way a kubelet reports a crashed container.
+"""What the scale test (tests/e2e/test_scale.py) and bench/scale.py share: jobs whose workers
+land on KWOK's simulated nodes, a watch that records every pod of a namespace as the API server
+reports it, and failing a simulated worker the way a kubelet reports a crashed container.
 
 Simulated pods run nothing, so the worker template is only what the scheduler and the operator
 read: the toleration and node selector of the simulated nodes, and the requests.

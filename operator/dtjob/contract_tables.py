@@ -1,0 +1,221 @@
+"""docs/design.md's tables, generated from the contract and the constants they name.
+
+`python -m dtjob.contract_tables` rewrites the section between the markers in docs/design.md; a
+unit test fails when the file differs from what this module generates (as the README's API
+section, dtjob.api.docs). A constant of dtjob.contract without its row in contract.ENVIRONMENT,
+EXIT_CODES or METRICS is an error here, so a new name cannot go undocumented.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from dtjob import contract
+from dtjob.api.models import DEFAULT_MASTER_PORT, DEFAULT_METRICS_PORT, ElasticPolicy
+from dtjob.launcher import agent, coordinator
+from dtjob.operator import jobview, manifests, reconciler
+from dtjob.operator.metrics import OperatorMetrics
+from dtjob.operator.settings import ObserverSettings, OperatorSettings, ReconcilerSettings
+
+BEGIN = "<!-- contract:begin -->"
+END = "<!-- contract:end -->"
+DESIGN = Path(__file__).resolve().parents[2] / "docs" / "design.md"
+
+# The trainer's heartbeat (dtjob.trainer.heartbeat, which imports torch): a beat every
+# timeout / BEATS_PER_TIMEOUT, at most INTERVAL_SECONDS. Read from its source, not imported, so
+# the tables generate without torch; a test checks these equal the module's.
+HEARTBEAT_BEATS_PER_TIMEOUT = 8
+HEARTBEAT_MAX_INTERVAL_SECONDS = 1.0
+
+
+def _table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return lines
+
+
+def _constants(prefix: str) -> dict[str, int | str]:
+    """The contract's names and numbers under `prefix` (EXIT_CODES, a table, is not one)."""
+    return {
+        name: value
+        for name, value in vars(contract).items()
+        if name.startswith(prefix) and isinstance(value, int | str)
+    }
+
+
+def _documented(prefix: str, described: Iterable[object], table: str) -> None:
+    missing = [name for name, value in _constants(prefix).items() if value not in set(described)]
+    if missing:
+        raise ValueError(f"dtjob.contract: {', '.join(missing)} missing from contract.{table}")
+
+
+def environment() -> list[str]:
+    _documented("ENV_", contract.ENVIRONMENT, "ENVIRONMENT")
+    rows = [(f"`{name}`", who, meaning) for name, (who, meaning) in contract.ENVIRONMENT.items()]
+    return _table(("Variable", "Set by", "Meaning"), rows)
+
+
+def exit_codes() -> list[str]:
+    _documented("EXIT_", contract.EXIT_CODES, "EXIT_CODES")
+    names = {value: name for name, value in _constants("EXIT_").items()}
+    rows = [(code, f"`{names[code]}`", meaning) for code, meaning in sorted(contract.EXIT_CODES.items())]
+    return _table(("Code", "Constant", "Meaning"), rows)
+
+
+def metrics() -> list[str]:
+    _documented("METRIC_", contract.METRICS, "METRICS")
+    rows = [(f"`{name}`", "trainer (gauge)", meaning) for name, meaning in contract.METRICS.items()]
+    collectors = OperatorMetrics().registry.collect()
+    rows += [(f"`{m.name}`", f"operator ({m.type})", m.documentation) for m in collectors]
+    return _table(("Metric", "Served by", "Meaning"), rows)
+
+
+def ports() -> list[str]:
+    op = OperatorSettings()
+    liveness = op.liveness or "none"
+    rows = [
+        (DEFAULT_MASTER_PORT, "rank 0's pod", "rendezvous store (`MASTER_PORT`)", "spec.masterPort"),
+        (
+            f"{DEFAULT_MASTER_PORT} + 1",
+            "pod 0",
+            "the agents' coordinator (`DTJOB_AGENT_PORT`)",
+            "spec.masterPort + 1",
+        ),
+        (
+            f"{DEFAULT_METRICS_PORT} + LOCAL_RANK",
+            "every trainer process",
+            "Prometheus text (`DTJOB_METRICS_PORT`)",
+            "spec.metricsPort",
+        ),
+        (op.metrics_port, "operator", "its own /metrics", "`--metrics-port`"),
+        (liveness.rsplit(":", 1)[-1].split("/")[0], "operator", f"liveness ({liveness})", "`--liveness`"),
+    ]
+    return _table(("Port (default)", "Where", "What", "Set by"), rows)
+
+
+def labels() -> list[str]:
+    rows = [
+        (f"`{jobview.LABEL_JOB}`", "label", "worker pods", "the job's name (the Service's selector)"),
+        (f"`{jobview.LABEL_RANK}`", "label", "worker pods", "the pod's rank (DTJOB_POD_RANK)"),
+        (f"`{jobview.LABEL_GENERATION}`", "label", "worker pods", "the pod's generation"),
+        (f"`{jobview.LABEL_MANAGED_BY}`", "label", "worker pods", f"`{jobview.MANAGED_BY}`"),
+        (f"`{manifests.PODGROUP_ANNOTATION}`", "annotation", "worker pods", "the Volcano PodGroup (gang)"),
+        (f"`{jobview.FINALIZER}`", "finalizer", "jobs", "kopf's: the per-job timer needs one"),
+    ]
+    return _table(("Name", "Kind", "On", "Value"), rows)
+
+
+def liveness() -> list[str]:
+    """Who finds what, within which time, from the constants that decide it."""
+    hb = ElasticPolicy.model_fields["heartbeat_timeout_seconds"].default
+    beat = min(HEARTBEAT_MAX_INTERVAL_SECONDS, hb / HEARTBEAT_BEATS_PER_TIMEOUT)
+    rec, obs, op = ReconcilerSettings(), ObserverSettings(), OperatorSettings()
+    rows = [
+        (
+            "trainer heartbeat (trainer/heartbeat.py)",
+            "a rank silent (hung, its pod or node cut off) or failed",
+            f"{hb} s + 2 beats of {beat:g} s (elastic.heartbeatTimeoutSeconds)",
+            f"peers exit {contract.EXIT_PEER_LOST} naming it",
+        ),
+        (
+            "pod agent (launcher/agent.py)",
+            "a trainer process of its pod exiting",
+            f"{agent.POLL_SECONDS:g} s (poll)",
+            "reports it to the coordinator",
+        ),
+        (
+            "coordinator (launcher/coordinator.py)",
+            "a pod's agent gone (pod frozen, network cut)",
+            f"{coordinator.BEAT_TIMEOUT_SECONDS:g} s (beats every {coordinator.BEAT_SECONDS:g} s)",
+            "no restart in place: the pods fail",
+        ),
+        (
+            "coordinator",
+            "an agent that does not stop its trainers",
+            f"{coordinator.STOP_TIMEOUT_SECONDS:g} s",
+            "gives up the restart in place",
+        ),
+        (
+            "operator scrape (operator/scrape.py)",
+            "rank 0's step, checkpoints, in-place restarts",
+            f"every {obs.scrape_interval_seconds:g} s, timeout {obs.metrics_timeout_seconds:g} s, "
+            f"backoff to {obs.scrape_backoff_max_seconds:g} s",
+            f"status; MetricsAvailable=False after {rec.metrics_grace_seconds:g} s of none",
+        ),
+        (
+            "operator (reconciler.py)",
+            "a failed, deleted or node-lost worker",
+            f"pod events, pass {op.trigger_delay_seconds:g} s later; resync {op.resync_seconds:g} s",
+            "restarts the gang in new pods",
+        ),
+        (
+            "operator",
+            "a deleted pod its node does not confirm (a silent node)",
+            f"grace + {reconciler.SILENT_KUBELET_SECONDS} s (a rank declared lost: "
+            f"{reconciler.LOST_RANK_GRACE_SECONDS} s + {reconciler.SILENT_LOST_RANK_SECONDS} s)",
+            f"force-deletes it; new pods avoid the node {reconciler.SILENT_NODE_AVOID_SECONDS} s",
+        ),
+        (
+            "operator",
+            "a step that does not advance",
+            "elastic.progressDeadlineSeconds (unset: off)",
+            "restarts the gang (counted)",
+        ),
+    ]
+    return _table(("Who", "Detects", "Within", "Then"), rows)
+
+
+def contract_section() -> str:
+    parts = [
+        BEGIN,
+        "<!-- generated by `python -m dtjob.contract_tables`; do not edit -->",
+        "",
+        "### Who detects what, within which time",
+        "",
+        *liveness(),
+        "",
+        "### Environment of every trainer process",
+        "",
+        *environment(),
+        "",
+        "### Exit codes",
+        "",
+        *exit_codes(),
+        "",
+        "### Metrics",
+        "",
+        *metrics(),
+        "",
+        "### Ports",
+        "",
+        *ports(),
+        "",
+        "### Labels, annotations, finalizer",
+        "",
+        *labels(),
+        END,
+    ]
+    return "\n".join(parts)
+
+
+def with_contract_section(text: str) -> str:
+    """`text` with the section between the markers replaced (appended if absent)."""
+    if BEGIN not in text or END not in text:
+        return text.rstrip("\n") + "\n\n" + contract_section() + "\n"
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    return head + contract_section() + tail
+
+
+def main(argv: list[str]) -> int:
+    if argv:
+        print("usage: python -m dtjob.contract_tables  (rewrites docs/design.md's tables)", file=sys.stderr)
+        return 2
+    DESIGN.write_text(with_contract_section(DESIGN.read_text()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
