@@ -81,6 +81,7 @@ from dtjob.operator.progress import (
     stalled_for,
 )
 from dtjob.operator.settings import ReconcilerSettings
+from dtjob.operator.timefmt import from_rfc3339, to_rfc3339
 
 PENDING, RUNNING, RESTARTING = "Pending", "Running", "Restarting"
 SUCCEEDED, FAILED, SUSPENDED = "Succeeded", "Failed", "Suspended"
@@ -150,16 +151,6 @@ class Observed:
     # The job's pod creations and deletions sent by earlier passes and not answered yet (`pods`
     # shows them as done, see dtjob.operator.expectations): they count against this pass's.
     pod_writes_in_flight: int = 0
-
-
-def to_rfc3339(moment: datetime) -> str:
-    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def from_rfc3339(text: str | None) -> datetime | None:
-    if not text:
-        return None
-    return datetime.fromisoformat(text.replace("Z", "+00:00"))
 
 
 def with_condition(
