@@ -340,7 +340,7 @@ class JobProgress(ApiModel):
 class GoodputSample(ApiModel):
     """The operator's last sample of the step (the goodput's bookkeeping)."""
 
-    time: float = Field(description="When it was taken, unix seconds.")
+    time: datetime = Field(description="When it was taken.")
     step: int = Field(ge=0, description="Rank 0's step.")
     gang: str = Field(description="The gang that reported it: generation.restartsInPlace.")
 
