@@ -128,7 +128,8 @@ def restarted(
     if status.get("goodput") is None:
         return None, None
     now = now.replace(microsecond=0)
-    step = int(status.get("step") or 0)
+    # The highest step reached, not status.step: a rewind in place already moved that back.
+    step = max(int(status.get("step") or 0), int(status["goodput"].get("highestStep") or 0))
     checkpoint = int((status.get("lastCheckpoint") or {}).get("step") or 0)
     records, closed = recoveries.open_recovery(
         status.get("recoveries") or [],
