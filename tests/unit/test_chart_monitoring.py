@@ -63,3 +63,11 @@ def test_the_dashboard_is_importable_as_is() -> None:
     for panel in dashboard["panels"]:
         assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
         assert panel["targets"], panel["title"]
+
+
+def test_the_readme_table_of_per_job_metrics_is_current() -> None:
+    from dtjob.operator.jobmetrics_docs import README, with_table
+
+    text = README.read_text()
+    assert with_table(text) == text, "run: python -m dtjob.operator.jobmetrics_docs"
+    assert "| `dtjob_job_goodput_ratio` | gauge | `namespace`, `name` |" in text

@@ -84,7 +84,7 @@ def test_a_sigkill_costs_its_downtime_and_the_steps_past_the_checkpoint() -> Non
     ]  # fmt: skip
     assert job["status"]["eta"] is None, "no ETA while no gang steps"
     assert JobRestarted("Signal", 5) in actions
-    assert "Recovered" not in [e.reason for e in events(actions)]
+    assert "GangRecovered" not in [e.reason for e in events(actions)]
     assert sample(metrics, "dtjob_job_restarts_total", cause="Signal") == 1
     assert sample(metrics, "dtjob_job_steps_redone_total") == 5
 
@@ -98,7 +98,7 @@ def test_a_sigkill_costs_its_downtime_and_the_steps_past_the_checkpoint() -> Non
     recovery = job["status"]["recoveries"][-1]
     assert recovery["downtimeSeconds"] == 29.0, "from the SIGKILL at 31 to the step moving at 60"
     assert [(e.type, e.reason, e.message) for e in events(actions)] == [
-        ("Normal", "Recovered", "recovered from Signal (WorkerFailed): detected in 1s, down 29s, "
+        ("Normal", "GangRecovered", "recovered from Signal (WorkerFailed): detected in 1s, down 29s, "
                                 "5 steps redone, world size 4 -> 4")
     ]  # fmt: skip
     kept = job["status"]["goodput"]
@@ -137,7 +137,7 @@ def test_a_restart_in_place_is_a_recovery_closed_when_the_gang_steps_again() -> 
     assert JobRestarted("Signal", 5) in actions
     job, actions = step(job, 40, trainer(27, 15, in_place=1, cause=cause))
     assert job["status"]["recoveries"][-1]["downtimeSeconds"] == 10.0, "from its detection (time unknown)"
-    assert [e.reason for e in events(actions)] == ["Recovered"]
+    assert [e.reason for e in events(actions)] == ["GangRecovered"]
     assert (job["status"]["goodput"]["stepsRedone"], job["status"]["goodput"]["keptSeconds"]) == (5, 17.0)
 
 

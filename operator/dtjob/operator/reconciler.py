@@ -1103,7 +1103,7 @@ def _recovered(p: _Pass, record: Mapping[str, Any] | None) -> None:
     """A recovery ended (`record`, None: none did): its Event and its downtime in the metrics."""
     if record is None:
         return
-    p.event("Recovered", recoveries.summary(record), warning=False)
+    p.event("GangRecovered", recoveries.summary(record), warning=False)
     p.actions.append(JobRecovered(record["cause"], float(record["downtimeSeconds"])))
 
 
