@@ -169,3 +169,32 @@ def test_every_per_job_metric_of_the_contract_is_registered_with_its_labels() ->
         family = doc.name.removesuffix("_total")
         assert family in registered, doc.name
         assert registered[family].type == doc.kind
+
+
+def test_a_failure_during_a_planned_rescale_ends_the_rescale_and_is_its_own_recovery() -> None:
+    job = accounted_job()
+    job, _ = step(job, 10, trainer(10, 0))
+    job, _ = step(job, 30, trainer(30, 30))
+    job["spec"]["replicas"] = 2  # kubectl scale at 40: planned, the gang checkpoints at 30
+    job, actions = step(job, 40, trainer(30, 30))
+    rescale = job["status"]["recoveries"][-1]
+    sizes = (rescale["worldSizeBefore"], rescale["worldSizeAfter"])
+    assert (rescale["cause"], rescale["stepsRedone"], sizes) == ("PlannedRescale", 0, (4, 2))
+    assert rescale["detectionSeconds"] == 0.0
+    # generation 1's rank 1 fails at 44 (seen at 45) before the gang stepped
+    pods = gang(2, generation=1)
+    pods[1] = make_pod(1, generation=1, node="n2", phase="Failed", exit_code=1)
+    pods[1]["status"]["containerStatuses"][0]["state"]["terminated"]["finishedAt"] = to_rfc3339(at(44))
+    job, actions = step(job, 45, trainer(30, 30), pods=pods)
+    first, second = job["status"]["recoveries"][-2:]
+    assert first["downtimeSeconds"] == 4.0, "the rescale's downtime ends at the failure"
+    assert (second["cause"], second["detectionSeconds"], second["stepsRedone"]) == ("ExitCode", 1.0, 0)
+    assert [e.reason for e in events(actions) if e.reason == "GangRecovered"] == ["GangRecovered"]
+    assert JobRecovered("PlannedRescale", 4.0) in actions
+    job, _ = step(job, 50, None, pods=gang(2, generation=2))  # type: ignore[arg-type]
+    job, _ = step(job, 60, trainer(30, 30), pods=gang(2, generation=2))
+    job, actions = step(job, 70, trainer(40, 30), pods=gang(2, generation=2))
+    assert job["status"]["recoveries"][-1]["downtimeSeconds"] == 26.0, "from 44 to 70"
+    assert sum(r["downtimeSeconds"] for r in job["status"]["recoveries"]) == 70 - 40
+    kept = job["status"]["goodput"]
+    assert (kept["stepsRedone"], kept["keptSeconds"]) == (0, 30.0), "20 s to step 30, 10 s for 31..40"
