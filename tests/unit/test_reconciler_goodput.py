@@ -198,3 +198,21 @@ def test_a_failure_during_a_planned_rescale_ends_the_rescale_and_is_its_own_reco
     assert sum(r["downtimeSeconds"] for r in job["status"]["recoveries"]) == 70 - 40
     kept = job["status"]["goodput"]
     assert (kept["stepsRedone"], kept["keptSeconds"]) == (0, 30.0), "20 s to step 30, 10 s for 31..40"
+
+
+def test_the_pass_runner_publishes_the_written_status_and_forgets_a_deleted_job() -> None:
+    from dtjob.operator.passes import JobPassRunner
+    from dtjob.operator.settings import OperatorSettings
+    from tests.unit.reconciler_fixtures import settle
+    from tests.unit.test_operator_at_scale import PlainKube
+
+    class Kube(PlainKube):
+        def forget(self, namespace: str, name: str) -> None:
+            pass
+
+    metrics, labels = OperatorMetrics(), {"namespace": "ns", "name": "gpt"}
+    runner = JobPassRunner(Kube(), metrics, OperatorSettings())  # type: ignore[arg-type]
+    runner.trigger("ns", "gpt")  # the job's first pass starts its accounts
+    settle(lambda: metrics.registry.get_sample_value("dtjob_job_goodput_ratio", labels) == 0.0)
+    runner.forget("ns", "gpt")  # the job was deleted
+    assert metrics.registry.get_sample_value("dtjob_job_goodput_ratio", labels) is None
