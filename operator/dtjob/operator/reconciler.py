@@ -39,6 +39,10 @@ workers to run, capacity, a checkpoint, rank 0's metrics, suspend to end, a vali
 Volcano job's PodGroup follows the generation (minMember = its world size, see gang.py), and the
 scheduler's view of it is the job's GangScheduled condition.
 
+A job started by this operator keeps accounts on its status (dtjob.operator.accounting): rank 0's
+progress and ETA, the goodput of its wall time, and its recoveries, each opened with a new gang
+(or a restart in place) and closed, with a GangRecovered event, once the next gang steps.
+
 `plan()` also says when the next pass is needed without any event (controller-runtime's
 RequeueAfter): `Plan.wake_at`, the first moment at which time alone changes the decision (a
 deadline, a TTL, a hold, a grace period running out), and `Plan.poll`, set while the decision
