@@ -216,3 +216,15 @@ def test_the_pass_runner_publishes_the_written_status_and_forgets_a_deleted_job(
     settle(lambda: metrics.registry.get_sample_value("dtjob_job_goodput_ratio", labels) == 0.0)
     runner.forget("ns", "gpt")  # the job was deleted
     assert metrics.registry.get_sample_value("dtjob_job_goodput_ratio", labels) is None
+
+
+def test_an_agents_last_line_counts_restarts_but_only_the_failure_is_a_recovery() -> None:
+    job = accounted_job(elastic={"restartInPlace": True, "maxRestarts": 9})
+    pods = gang(4)
+    pods[1] = make_pod(1, node="n1", phase="Failed", exit_code=137)
+    log = {"gpt-worker-1": contract.in_place_line(2) + "\n"}
+    actions = run(job, pods, two_nodes(), now=50, worker_logs=log)
+    patch = status_patch(actions)
+    assert patch["restarts"] == 3, "2 in place and the failure"
+    assert [(r["cause"], r["reason"]) for r in patch["recoveries"]] == [("Signal", "WorkerFailed")]
+    assert "GangRecovered" not in [e.reason for e in events(actions)]

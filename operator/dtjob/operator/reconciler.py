@@ -802,7 +802,7 @@ def _decide(p: _Pass, current: Sequence[Worker], workers: Sequence[Worker]) -> b
         agents_said = [
             contract.parse_in_place_line(p.obs.worker_logs.get(f.worker.name, "")) for f in failures
         ]
-        _count_in_place(p, max((n for n in agents_said if n is not None), default=0), None)
+        _count_in_place(p, max((n for n in agents_said if n is not None), default=0), None, account=False)
         restarts = int(p.status.get("restarts") or 0)
         if counted and restarts + 1 > job.max_restarts:
             p.status["restarts"] = restarts + 1
@@ -1127,10 +1127,12 @@ def _failed_at(p: _Pass, failures: Sequence[Failure]) -> datetime | None:
     return min(moments, default=None)
 
 
-def _count_in_place(p: _Pass, seen: int, cause: str | None) -> None:
+def _count_in_place(p: _Pass, seen: int, cause: str | None, account: bool = True) -> None:
     """Restarts in place of the current generation (elastic.restartInPlace): those not counted yet
     go into status.restarts, with a Warning event. `seen` comes from rank 0's metrics, or from the
-    last line of a failed pod's agent (which rank 0's metrics may not have shown yet)."""
+    last line of a failed pod's agent (which rank 0's metrics may not have shown yet). `account`:
+    a recovery on the job's status; not for an agent's last line, whose gang failed for good after
+    restarts whose cost nothing shows (a record would close at once, 0 s down)."""
     counted = int(p.status.get("inPlaceRestarts") or 0)
     if seen <= counted:
         return
@@ -1139,8 +1141,9 @@ def _count_in_place(p: _Pass, seen: int, cause: str | None) -> None:
     p.status["inPlaceRestarts"] = seen
     for _ in range(seen - counted):
         p.actions.append(CountRestart("InPlace"))
-    size = int(p.status.get("replicas") or 0)
-    _restarted(p, "InPlace", None, recoveries.exit_code_in(cause), planned=False, size_before=size)
+    if account:
+        size = int(p.status.get("replicas") or 0)
+        _restarted(p, "InPlace", None, recoveries.exit_code_in(cause), planned=False, size_before=size)
     why = f": {cause}" if cause else ""
     p.event(
         "RestartedInPlace",
