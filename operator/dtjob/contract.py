@@ -83,6 +83,11 @@ METRIC_WORLD_SIZE = "dtjob_trainer_world_size"
 METRIC_GENERATION = "dtjob_trainer_generation"
 # DTJOB_IN_PLACE_RESTARTS of the trainer, with its DTJOB_RESTART_CAUSE as the label `cause`.
 METRIC_IN_PLACE_RESTARTS = "dtjob_trainer_in_place_restarts"
+# Progress for the job's status.progress and eta (#43): the run's total steps, and rank 0's last
+# step's global tokens per second and MFU (0..1, absent when the device's peak is unknown).
+METRIC_TOTAL_STEPS = "dtjob_trainer_total_steps"
+METRIC_TOKENS_PER_SECOND = "dtjob_trainer_tokens_per_second"
+METRIC_MFU = "dtjob_trainer_model_flops_utilization"
 
 # --- the peer-lost line --------------------------------------------------------------------------
 # A process leaving with EXIT_PEER_LOST logs `peer_lost_line(rank, seconds)` first; the operator
@@ -232,4 +237,53 @@ METRICS: dict[str, str] = {
     METRIC_WORLD_SIZE: "processes in the gang",
     METRIC_GENERATION: "the gang's generation (DTJOB_GENERATION)",
     METRIC_IN_PLACE_RESTARTS: "DTJOB_IN_PLACE_RESTARTS, label `cause` = DTJOB_RESTART_CAUSE",
+    METRIC_TOTAL_STEPS: "the run's total steps (absent: not known to the trainer)",
+    METRIC_TOKENS_PER_SECOND: "tokens per second over the recent steps",
+    METRIC_MFU: "model FLOPs utilization, 0..1 (absent: the device's peak is unknown)",
 }
+
+
+# --- the operator's per-job metrics (#43) ---------------------------------------------------------
+# Served by the operator (`dtjob operator --metrics-port`), labelled namespace and name (and cause
+# where named): a bounded set of series per job, none per pod, removed when the job is deleted.
+@dataclass(frozen=True)
+class MetricDoc:
+    name: str
+    kind: str  # gauge, counter or histogram
+    labels: tuple[str, ...]
+    meaning: str
+
+
+JOB_LABELS = ("namespace", "name")
+JOB_METRICS = (
+    MetricDoc("dtjob_job_step", "gauge", JOB_LABELS, "rank 0's latest step (status.step)"),
+    MetricDoc("dtjob_job_total_steps", "gauge", JOB_LABELS, "the run's steps (status.progress.totalSteps)"),
+    MetricDoc(
+        "dtjob_job_eta_seconds", "gauge", JOB_LABELS,
+        "seconds from the last sample of the step to status.eta (absent: not known)",
+    ),
+    MetricDoc(
+        "dtjob_job_goodput_ratio", "gauge", JOB_LABELS,
+        "kept-step time over wall time since the job started (status.goodput.ratio)",
+    ),
+    MetricDoc(
+        "dtjob_job_tokens_per_second", "gauge", JOB_LABELS,
+        f"rank 0's {METRIC_TOKENS_PER_SECOND} (status.progress.tokensPerSecond)",
+    ),
+    MetricDoc(
+        "dtjob_job_model_flops_utilization", "gauge", JOB_LABELS,
+        f"rank 0's {METRIC_MFU}, 0..1 (absent: unknown)",
+    ),
+    MetricDoc(
+        "dtjob_job_restarts_total", "counter", (*JOB_LABELS, "cause"),
+        "gang stops and restarts (in new pods or in place, planned or not) by cause",
+    ),
+    MetricDoc(
+        "dtjob_job_recovery_seconds", "histogram", (*JOB_LABELS, "cause"),
+        "downtime of each recovery: from the failure to the next gang's step moving",
+    ),
+    MetricDoc(
+        "dtjob_job_steps_redone_total", "counter", JOB_LABELS,
+        "steps past the newest checkpoint lost at a restart (status.recoveries[].stepsRedone)",
+    ),
+)  # fmt: skip

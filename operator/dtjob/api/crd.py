@@ -54,6 +54,14 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "Step", "type": "integer", "jsonPath": ".status.step", "description": "Latest training step"},
     {"name": "Restarts", "type": "integer", "jsonPath": ".status.restarts", "description": "Gang restarts"},
     {
+        "name": "Goodput",
+        "type": "number",
+        "jsonPath": ".status.goodput.ratio",
+        "description": "Kept-step time over wall time",
+    },
+    # string: kubectl prints a date column as an age, and a time in the future as <invalid>
+    {"name": "ETA", "type": "string", "jsonPath": ".status.eta", "description": "Estimated completion"},
+    {
         "name": "Processes",
         "type": "integer",
         "jsonPath": ".status.worldSize",

@@ -317,6 +317,88 @@ class SilentNode(ApiModel):
     )
 
 
+class JobProgress(ApiModel):
+    """How far training is, from rank 0's metrics (fields it does not publish stay unset)."""
+
+    step: int | None = Field(default=None, ge=0, description="Latest training step reported by rank 0.")
+    total_steps: int | None = Field(
+        default=None, ge=0, description="Steps of the whole run (dtjob_trainer_total_steps)."
+    )
+    tokens_per_second: float | None = Field(
+        default=None,
+        description="Global tokens per second of rank 0's last step (dtjob_trainer_tokens_per_second).",
+    )
+    model_flops_utilization: float | None = Field(
+        default=None,
+        description="MFU of rank 0's last step, 0..1 (dtjob_trainer_model_flops_utilization; unset: "
+        "unknown).",
+    )
+    steps_per_second: float | None = Field(
+        default=None,
+        description="Recent step rate of the current gang: a moving average over the operator's "
+        "samples of the step, the rate status.eta extrapolates (unset: not known yet).",
+    )
+
+
+class GoodputSample(ApiModel):
+    """The operator's last sample of the step (the goodput's bookkeeping)."""
+
+    time: datetime = Field(description="When it was taken.")
+    step: int = Field(ge=0, description="Rank 0's step.")
+    gang: str = Field(description="The gang that reported it: generation.restartsInPlace.")
+
+
+class Goodput(ApiModel):
+    """The share of the job's wall time that went into steps that were kept."""
+
+    ratio: float = Field(
+        ge=0,
+        le=1,
+        description="keptSeconds over the wall time since the job started (at its last sample, "
+        "or its completion).",
+    )
+    kept_seconds: float = Field(
+        ge=0,
+        description="Seconds between two samples of the step by the same gang, shared among the "
+        "steps done in between; a step whose number was reached before (redone after a rewind "
+        "to a checkpoint) does not count, nor does time without a gang stepping.",
+    )
+    steps_redone: int = Field(ge=0, description="Steps done again after a rewind to a checkpoint.")
+    highest_step: int = Field(ge=0, description="The highest step reached.")
+    since: datetime = Field(description="When the job started (its wall time counts from here).")
+    sample: GoodputSample | None = Field(default=None, description="The last sample of the step.")
+
+
+class Recovery(ApiModel):
+    """One stop and restart of the gang, and what it cost."""
+
+    cause: str = Field(
+        description="ExitCode, Signal (an exit code above 128), Hang (a stalled step or a silent "
+        "rank), NodeLost, PlannedRescale, Preemption or PodDeleted."
+    )
+    reason: str = Field(description="The operator's reason (as on the Restarting condition), InPlace for "
+                        "a restart in place.")  # fmt: skip
+    detected_at: datetime = Field(description="When the operator decided the restart.")
+    detection_seconds: float = Field(
+        ge=0,
+        description="From the failure (the container's exit, the node's NotReady, the last step "
+        "of a hang) to detectedAt; 0 for a planned restart and where the failure time is unknown.",
+    )
+    downtime_seconds: float | None = Field(
+        default=None,
+        ge=0,
+        description="From the failure to the next gang's step being seen moving (or the next "
+        "failure, or the job's end); unset while the gang has not stepped since.",
+    )
+    steps_redone: int = Field(
+        ge=0,
+        description="Steps past the newest checkpoint when it was detected, which the next gang "
+        "redoes (0 for a planned restart: the gang checkpoints first).",
+    )
+    world_size_before: int = Field(ge=0, description="Workers before.")
+    world_size_after: int = Field(ge=0, description="Workers after.")
+
+
 class DistributedTrainingJobStatus(ApiModel):
     """The observed state of a job; only the operator writes it."""
 
@@ -374,6 +456,20 @@ class DistributedTrainingJobStatus(ApiModel):
         ),
     )
     completion_time: datetime | None = Field(default=None, description="When the job succeeded or failed.")
+    progress: JobProgress | None = Field(
+        default=None, description="How far training is, from rank 0's metrics."
+    )
+    eta: datetime | None = Field(
+        default=None,
+        description="When the job reaches progress.totalSteps at progress.stepsPerSecond (unset: "
+        "either is not known, or the gang is restarting).",
+    )
+    goodput: Goodput | None = Field(
+        default=None, description="The share of the job's wall time that went into kept steps."
+    )
+    recoveries: list[Recovery] | None = Field(
+        default=None, description="The newest 10 recoveries of the gang, oldest first."
+    )
 
 
 class DistributedTrainingJob(ApiModel):

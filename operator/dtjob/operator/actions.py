@@ -91,6 +91,23 @@ class ObserveRecovery:
     seconds: float
 
 
+@dataclass(frozen=True)
+class JobRestarted:
+    """Operator metric of the job: its gang stopped (a recovery began) for `cause`, and the steps
+    past the newest checkpoint that the next gang redoes."""
+
+    cause: str
+    steps_redone: int
+
+
+@dataclass(frozen=True)
+class JobRecovered:
+    """Operator metric of the job: a recovery's downtime, seconds."""
+
+    cause: str
+    seconds: float
+
+
 Action = (
     PatchStatus
     | CreateService
@@ -102,4 +119,6 @@ Action = (
     | CountRestart
     | CountRescale
     | ObserveRecovery
+    | JobRestarted
+    | JobRecovered
 )

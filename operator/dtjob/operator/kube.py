@@ -33,6 +33,8 @@ from dtjob.operator.actions import (
     DeleteJob,
     DeletePod,
     EmitEvent,
+    JobRecovered,
+    JobRestarted,
     ObserveRecovery,
     PatchStatus,
 )
@@ -440,6 +442,8 @@ class Kube:
                 self.metrics.rescales.labels(direction=direction, reason=reason).inc()
             case ObserveRecovery(seconds=seconds):
                 self.metrics.recovery_seconds.observe(seconds)
+            case JobRestarted() | JobRecovered():
+                self.metrics.job_recovery(ns, name, action)
 
     def _event(self, job: JobView, event: EmitEvent) -> None:
         now = datetime.now(UTC)

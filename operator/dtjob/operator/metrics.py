@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from dtjob import contract
+from dtjob.operator.actions import JobRecovered, JobRestarted
+from dtjob.operator.recoveries import CAUSES
+from dtjob.operator.timefmt import from_rfc3339
 
 PHASES = ("Pending", "Running", "Restarting", "Succeeded", "Failed", "Suspended")
 
@@ -64,13 +72,78 @@ class OperatorMetrics:
             buckets=(1, 2, 5, 10, 20, 30, 60, 120, 300, 600),
             registry=r,
         )
+        self._job_metrics()
         self._phases: dict[tuple[str, str], str] = {}
         self._lock = threading.Lock()
         for phase in PHASES:
             self.jobs.labels(phase=phase).set(0)
 
+    def _job_metrics(self) -> None:
+        """The per-job series of contract.JOB_METRICS (#43): labels namespace, name (and cause)."""
+        docs = {m.name: m for m in contract.JOB_METRICS}
+
+        def gauge(metric: str) -> Gauge:
+            return Gauge(metric, docs[metric].meaning, docs[metric].labels, registry=self.registry)
+
+        self.job_step = gauge("dtjob_job_step")
+        self.job_total_steps = gauge("dtjob_job_total_steps")
+        self.job_eta = gauge("dtjob_job_eta_seconds")
+        self.job_goodput = gauge("dtjob_job_goodput_ratio")
+        self.job_tokens = gauge("dtjob_job_tokens_per_second")
+        self.job_mfu = gauge("dtjob_job_model_flops_utilization")
+        self._job_gauges = (self.job_step, self.job_total_steps, self.job_eta, self.job_goodput,
+                            self.job_tokens, self.job_mfu)  # fmt: skip
+        doc = docs["dtjob_job_restarts_total"]  # the client adds _total to a counter's name
+        self.job_restarts = Counter(
+            doc.name.removesuffix("_total"), doc.meaning, doc.labels, registry=self.registry
+        )
+        doc = docs["dtjob_job_steps_redone_total"]
+        self.job_steps_redone = Counter(
+            doc.name.removesuffix("_total"), doc.meaning, doc.labels, registry=self.registry
+        )
+        doc = docs["dtjob_job_recovery_seconds"]
+        # Downtime: a planned rescale takes seconds, a lost node minutes (its NotReady, new pods).
+        self.job_recovery_seconds = Histogram(
+            doc.name, doc.meaning, doc.labels, buckets=(1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1800),
+            registry=self.registry,
+        )  # fmt: skip
+
+    def job_recovery(self, namespace: str, name: str, action: JobRestarted | JobRecovered) -> None:
+        """A job's gang stopped (JobRestarted) or stepped again (JobRecovered)."""
+        if isinstance(action, JobRestarted):
+            self.job_restarts.labels(namespace, name, action.cause).inc()
+            self.job_steps_redone.labels(namespace, name).inc(action.steps_redone)
+        else:
+            self.job_recovery_seconds.labels(namespace, name, action.cause).observe(action.seconds)
+
+    def job_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None:
+        """The job's progress, ETA and goodput from its status (as written); a field the status
+        lacks removes its series."""
+        progress, kept = status.get("progress") or {}, status.get("goodput") or {}
+        eta, sample = from_rfc3339(status.get("eta")), kept.get("sample") or {}
+        at = from_rfc3339(sample.get("time"))
+        left = None if eta is None or at is None else max(0.0, (eta - at).total_seconds())
+        values = (status.get("step"), progress.get("totalSteps"), left, kept.get("ratio"),
+                  progress.get("tokensPerSecond"), progress.get("modelFlopsUtilization"))  # fmt: skip
+        for gauge, value in zip(self._job_gauges, values, strict=True):
+            if value is None:
+                _remove(gauge, namespace, name)
+            else:
+                gauge.labels(namespace, name).set(float(value))
+
+    def forget_job(self, namespace: str, name: str) -> None:
+        """The job is gone: its series go too."""
+        for gauge in (*self._job_gauges, self.job_steps_redone):
+            _remove(gauge, namespace, name)
+        for cause in CAUSES:
+            _remove(self.job_restarts, namespace, name, cause)
+            _remove(self.job_recovery_seconds, namespace, name, cause)
+
     def job_phase(self, namespace: str, name: str, phase: str | None) -> None:
-        """Record a job's phase (None: the job is gone) and refresh the per-phase gauge."""
+        """Record a job's phase (None: the job is gone, and its series go) and refresh the
+        per-phase gauge."""
+        if phase is None:
+            self.forget_job(namespace, name)
         with self._lock:
             if phase is None:
                 self._phases.pop((namespace, name), None)
@@ -81,3 +154,8 @@ class OperatorMetrics:
                 counts[p] = counts.get(p, 0) + 1
             for p, n in counts.items():
                 self.jobs.labels(phase=p).set(n)
+
+
+def _remove(metric: Gauge | Counter | Histogram, *labels: str) -> None:
+    with contextlib.suppress(KeyError):  # no such series
+        metric.remove(*labels)

@@ -295,11 +295,11 @@ class JobPassRunner:
             # gang does not queue 1,024 writes ahead of every other job's (see Plan.more).
             at_most = self.settings.reconciler.pod_writes_per_pass
             self.kube.when_drained(key, at_most, functools.partial(self._soon.submit, self.trigger, *key))
-        phase = (job.get("status") or {}).get("phase")
-        for action in decided.actions:
-            if isinstance(action, PatchStatus) and "phase" in action.status:
-                phase = action.status["phase"]
-        self.metrics.job_phase(namespace, name, phase)
+        status = dict(job.get("status") or {})
+        for patch in patches:
+            status.update(patch)
+        self.metrics.job_phase(namespace, name, status.get("phase"))
+        self.metrics.job_status(namespace, name, status)
 
     def _progress_later(self, key: Key) -> bool:
         """Whether a status patch that only moves the workers' progress waits: when the job's

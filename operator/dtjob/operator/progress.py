@@ -43,6 +43,10 @@ class TrainerProgress:
     # Restarts in place of this generation before rank 0 started, and what failed before the last.
     in_place_restarts: int | None = None
     restart_cause: str | None = None
+    # The run's total steps, and the global tokens/s and MFU of rank 0's last step (#43).
+    total_steps: int | None = None
+    tokens_per_second: float | None = None
+    mfu: float | None = None
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,10 @@ workers to run, capacity, a checkpoint, rank 0's metrics, suspend to end, a vali
 Volcano job's PodGroup follows the generation (minMember = its world size, see gang.py), and the
 scheduler's view of it is the job's GangScheduled condition.
 
+A job started by this operator keeps accounts on its status (dtjob.operator.accounting): rank 0's
+progress and ETA, the goodput of its wall time, and its recoveries, each opened with a new gang
+(or a restart in place) and closed, with a GangRecovered event, once the next gang steps.
+
 `plan()` also says when the next pass is needed without any event (controller-runtime's
 RequeueAfter): `Plan.wake_at`, the first moment at which time alone changes the decision (a
 deadline, a TTL, a hold, a grace period running out), and `Plan.poll`, set while the decision
@@ -56,7 +60,7 @@ from typing import Any
 
 from dtjob import contract
 from dtjob.api import validate_job
-from dtjob.operator import gang, in_place, manifests
+from dtjob.operator import accounting, gang, in_place, manifests, recoveries
 from dtjob.operator.actions import (
     Action,
     ApplyPodGroup,
@@ -67,6 +71,8 @@ from dtjob.operator.actions import (
     DeleteJob,
     DeletePod,
     EmitEvent,
+    JobRecovered,
+    JobRestarted,
     ObserveRecovery,
     PatchStatus,
 )
@@ -81,6 +87,7 @@ from dtjob.operator.progress import (
     stalled_for,
 )
 from dtjob.operator.settings import ReconcilerSettings
+from dtjob.operator.timefmt import from_rfc3339, to_rfc3339
 
 PENDING, RUNNING, RESTARTING = "Pending", "Running", "Restarting"
 SUCCEEDED, FAILED, SUSPENDED = "Succeeded", "Failed", "Suspended"
@@ -152,16 +159,6 @@ class Observed:
     pod_writes_in_flight: int = 0
 
 
-def to_rfc3339(moment: datetime) -> str:
-    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def from_rfc3339(text: str | None) -> datetime | None:
-    if not text:
-        return None
-    return datetime.fromisoformat(text.replace("Z", "+00:00"))
-
-
 def with_condition(
     conditions: Sequence[Mapping[str, Any]],
     ctype: str,
@@ -204,6 +201,7 @@ class Worker:
     # kubelet kills the containers and removes the pod at once.
     deletion_deadline: datetime | None = None
     deletion_grace: int | None = None  # that grace period, seconds (deletionGracePeriodSeconds)
+    finished: datetime | None = None  # when the trainer container terminated (finishedAt)
 
     @classmethod
     def of(cls, pod: Mapping[str, Any]) -> Worker:
@@ -224,12 +222,13 @@ class Worker:
         meta = pod.get("metadata") or {}
         labels = meta.get("labels") or {}
         status = pod.get("status") or {}
-        exit_code, message = None, None
+        exit_code, message, finished = None, None, None
         for container in status.get("containerStatuses") or []:
             terminated = (container.get("state") or {}).get("terminated")
             if terminated is not None and (exit_code is None or container.get("name") == "trainer"):
                 exit_code = int(terminated.get("exitCode", 0))
                 message = terminated.get("message")
+                finished = from_rfc3339(terminated.get("finishedAt"))
         return cls(
             name=str(meta.get("name", "")),
             rank=_int_or_none(labels.get(LABEL_RANK)),
@@ -245,6 +244,7 @@ class Worker:
             scheduled=_condition_time(status, "PodScheduled"),
             deletion_deadline=from_rfc3339(meta.get("deletionTimestamp")),
             deletion_grace=meta.get("deletionGracePeriodSeconds"),
+            finished=finished,
         )
 
     @property
@@ -575,6 +575,7 @@ def _first_pod_writes(actions: list[Action], limit: int) -> tuple[list[Action], 
 def _start(p: _Pass) -> None:
     p.status.update(generation=0, restarts=0, startTime=to_rfc3339(p.now))
     _say_in_place(p)
+    accounting.start(p.status, p.now)
     if p.job.suspend:
         p.status["replicas"] = 0
         p.set_phase(
@@ -607,6 +608,7 @@ def _deadline_passed(p: _Pass) -> bool:
 
 def _fail(p: _Pass, workers: Sequence[Worker], reason: str, message: str) -> None:
     p.status["completionTime"] = to_rfc3339(p.now)
+    _recovered(p, accounting.finished(p.status, p.now, succeeded=False))
     p.set_phase(FAILED, reason, message, warning=True)
     _clean_up_finished(p, workers)
 
@@ -616,6 +618,7 @@ def _succeed(p: _Pass, workers: Sequence[Worker]) -> None:
     checkpoint_step = (p.status.get("lastCheckpoint") or {}).get("step")
     if checkpoint_step is not None:
         p.status["step"] = max(int(p.status.get("step") or 0), int(checkpoint_step))
+    _recovered(p, accounting.finished(p.status, p.now, succeeded=True))
     if (p.condition(CHECKPOINT_WRITE_FAILING) or {}).get("status") == "True":
         # the last step's checkpoint is never skipped: a trainer that exits 0 wrote it
         message = f"the last step's checkpoint was written (step {p.status.get('step')})"
@@ -707,9 +710,18 @@ def _target_size(p: _Pass) -> int:
 
 
 def _new_generation(
-    p: _Pass, size: int, reason: str, message: str, *, counted: bool, phase: str = RESTARTING
+    p: _Pass,
+    size: int,
+    reason: str,
+    message: str,
+    *,
+    counted: bool,
+    phase: str = RESTARTING,
+    failed_at: datetime | None = None,
+    exit_code: int | None = None,
 ) -> None:
-    """Start the next gang: recorded in status first; old pods are deleted by _converge_pods."""
+    """Start the next gang: recorded in status first; old pods are deleted by _converge_pods.
+    `failed_at` and `exit_code`: what the job's recovery record says of the failure."""
     old_size = int(p.status.get("replicas") or 0)
     generation = int(p.status.get("generation", -1)) + 1
     p.status["generation"] = generation
@@ -722,6 +734,8 @@ def _new_generation(
         p.actions.append(CountRestart(reason))
     text = f"generation {generation} with {size} workers: {message}"
     p.set_phase(phase, reason, text, warning=counted)
+    if reason != "Resumed" and old_size:  # a resume after suspend is the user's pause, not a recovery
+        _restarted(p, reason, failed_at, exit_code, planned=not counted, size_before=old_size)
     if old_size and size != old_size:
         direction = "up" if size > old_size else "down"
         p.actions.append(CountRescale(direction, reason))
@@ -798,7 +812,7 @@ def _decide(p: _Pass, current: Sequence[Worker], workers: Sequence[Worker]) -> b
         agents_said = [
             contract.parse_in_place_line(p.obs.worker_logs.get(f.worker.name, "")) for f in failures
         ]
-        _count_in_place(p, max((n for n in agents_said if n is not None), default=0), None)
+        _count_in_place(p, max((n for n in agents_said if n is not None), default=0), None, account=False)
         restarts = int(p.status.get("restarts") or 0)
         if counted and restarts + 1 > job.max_restarts:
             p.status["restarts"] = restarts + 1
@@ -810,7 +824,9 @@ def _decide(p: _Pass, current: Sequence[Worker], workers: Sequence[Worker]) -> b
         causes = [f for f in failures if f.counted and f.reason != "PeerLost"] or failures
         preempted = next((f.reason for f in failures if f.reason == "Preempted"), causes[0].reason)
         reason = next((f.reason for f in causes if f.counted), preempted)
-        _new_generation(p, _target_size(p), reason, message, counted=counted)
+        cause = next(f for f in failures if f.reason == reason)
+        _new_generation(p, _target_size(p), reason, message, counted=counted,
+                        failed_at=_failed_at(p, failures), exit_code=cause.worker.exit_code)  # fmt: skip
         # A planned stop (preemption, a worker's own exit 75): the others checkpoint first, with
         # their full grace period; after a failure they cannot (a peer is gone).
         lost = {f.lost_rank for f in failures if f.reason == "PeerLost" and f.lost_rank is not None}
@@ -1075,12 +1091,58 @@ def _read_metrics(p: _Pass) -> None:
         _track_checkpoint_writes(p, progress.checkpoint_failures)
     if progress.in_place_restarts is not None:
         _count_in_place(p, progress.in_place_restarts, progress.restart_cause)
+    _recovered(p, accounting.sample(p.status, progress, p.now))
 
 
-def _count_in_place(p: _Pass, seen: int, cause: str | None) -> None:
+def _restarted(
+    p: _Pass,
+    reason: str,
+    failed_at: datetime | None,
+    exit_code: int | None,
+    *,
+    planned: bool,
+    size_before: int,
+) -> None:
+    """A recovery begins: on status.recoveries, and in the job's metrics."""
+    record, closed = accounting.restarted(
+        p.status, reason=reason, now=p.now, failed_at=failed_at, exit_code=exit_code, planned=planned,
+        size_before=size_before,
+    )  # fmt: skip
+    _recovered(p, closed)
+    if record is not None:
+        p.actions.append(JobRestarted(record["cause"], record["stepsRedone"]))
+
+
+def _recovered(p: _Pass, record: Mapping[str, Any] | None) -> None:
+    """A recovery ended (`record`, None: none did): its Event and its downtime in the metrics."""
+    if record is None:
+        return
+    p.event("GangRecovered", recoveries.summary(record), warning=False)
+    p.actions.append(JobRecovered(record["cause"], float(record["downtimeSeconds"])))
+
+
+def _failed_at(p: _Pass, failures: Sequence[Failure]) -> datetime | None:
+    """When the first of `failures` happened, where the pods or nodes say: a container's end, a
+    node's NotReady, the last step of a stalled gang (None: not known)."""
+    moments: list[datetime] = []
+    for f in failures:
+        w = f.worker
+        if f.reason == "ProgressDeadlineExceeded":
+            moments.append(from_rfc3339(p.status.get("lastProgressTime")) or p.now)
+        elif f.reason == "NodeLost" and w.node_name in p.nodes:
+            ready = _condition_time(p.nodes[str(w.node_name)].get("status") or {}, "Ready", None)
+            moments += [ready] if ready is not None else []
+        elif w.finished is not None:
+            moments.append(w.finished)
+    return min(moments, default=None)
+
+
+def _count_in_place(p: _Pass, seen: int, cause: str | None, account: bool = True) -> None:
     """Restarts in place of the current generation (elastic.restartInPlace): those not counted yet
     go into status.restarts, with a Warning event. `seen` comes from rank 0's metrics, or from the
-    last line of a failed pod's agent (which rank 0's metrics may not have shown yet)."""
+    last line of a failed pod's agent (which rank 0's metrics may not have shown yet). `account`:
+    a recovery on the job's status; not for an agent's last line, whose gang failed for good after
+    restarts whose cost nothing shows (a record would close at once, 0 s down)."""
     counted = int(p.status.get("inPlaceRestarts") or 0)
     if seen <= counted:
         return
@@ -1089,6 +1151,9 @@ def _count_in_place(p: _Pass, seen: int, cause: str | None) -> None:
     p.status["inPlaceRestarts"] = seen
     for _ in range(seen - counted):
         p.actions.append(CountRestart("InPlace"))
+    if account:
+        size = int(p.status.get("replicas") or 0)
+        _restarted(p, "InPlace", None, recoveries.exit_code_in(cause), planned=False, size_before=size)
     why = f": {cause}" if cause else ""
     p.event(
         "RestartedInPlace",

@@ -62,6 +62,9 @@ TRAINER_GAUGES = {
     contract.METRIC_LAST_CHECKPOINT_STEP: "checkpoint_step",
     contract.METRIC_LAST_CHECKPOINT_TIME: "checkpoint_time",
     contract.METRIC_CHECKPOINT_FAILURES: "checkpoint_failures",
+    contract.METRIC_TOTAL_STEPS: "total_steps",
+    contract.METRIC_TOKENS_PER_SECOND: "tokens_per_second",
+    contract.METRIC_MFU: "mfu",
 }
 
 
@@ -104,6 +107,9 @@ def parse_trainer_metrics(text: str) -> TrainerProgress:
         checkpoint_failures=int(values["checkpoint_failures"]) if "checkpoint_failures" in values else None,
         in_place_restarts=in_place,
         restart_cause=cause or None,
+        total_steps=int(values["total_steps"]) if "total_steps" in values else None,
+        tokens_per_second=values.get("tokens_per_second"),
+        mfu=values.get("mfu"),
     )
 
 

@@ -17,6 +17,7 @@ class TrainerMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         self.step = Gauge(contract.METRIC_STEP, "last completed optimizer step", registry=r)
+        self.total_steps = Gauge(contract.METRIC_TOTAL_STEPS, "optimizer steps of the whole run", registry=r)
         self.loss = Gauge("dtjob_trainer_loss", "global mean loss of the last step", registry=r)
         self.learning_rate = Gauge(
             "dtjob_trainer_learning_rate", "learning rate of the last step", registry=r
@@ -25,7 +26,7 @@ class TrainerMetrics:
             "dtjob_trainer_samples_per_second", "global samples per second of the last step", registry=r
         )
         self.tokens_per_second = Gauge(
-            "dtjob_trainer_tokens_per_second", "global tokens per second of the last step", registry=r
+            contract.METRIC_TOKENS_PER_SECOND, "global tokens per second of the last step", registry=r
         )
         self.world_size = Gauge(contract.METRIC_WORLD_SIZE, "processes in the gang", registry=r)
         self.generation = Gauge(contract.METRIC_GENERATION, "gang generation (DTJOB_GENERATION)", registry=r)
@@ -55,7 +56,7 @@ class TrainerMetrics:
         )
         self.step_seconds = Gauge("dtjob_trainer_step_seconds", "wall time of the last step", registry=r)
         self.model_flops_utilization = Gauge(
-            "dtjob_trainer_model_flops_utilization",
+            contract.METRIC_MFU,
             "model FLOPs per second of the last step over the device's peak (0..1; absent when unknown)",
             registry=r,
         )

@@ -324,6 +324,7 @@ class ElasticSession:
             raise Stopped
         if self.heartbeat is not None:
             self.heartbeat.arm()
+        self.metrics.total_steps.set(total)
         for step in range(self.start_step + 1, total + 1):
             if self._gate is not None:
                 self._wait_for_gate(step)
