@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from dtjob.trainer.train_state import TrainState
 from tests.trainer import unused_moe
 from tests.trainer._parallel_harness import relative_difference
 
@@ -78,3 +79,28 @@ def test_no_gradient_stays_none_and_adamw_leaves_it_as_one_process(world: int, c
         for n in names:
             diff = relative_difference(final[n], ref["states"][-1][n])
             assert diff < 1e-5, f"rank {rank}: {n} relative difference {diff:.2e}"
+
+
+def test_a_checkpoint_with_never_stepped_parameters_loads() -> None:
+    # A parameter whose .grad stayed None has no optimizer state (AdamW never stepped it): the
+    # checkpoint has no "optim.<name>.exp_avg" for it, and loading must not ask for one.
+    model = unused_moe.build()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=unused_moe.LR, weight_decay=unused_moe.WEIGHT_DECAY)
+    x, y, route = unused_moe.micro_batch(2, 0, 0)
+    torch.nn.functional.cross_entropy(model(x, route), y).backward()
+    optimizer.step()
+    saved = TrainState(model, optimizer)
+    shards, extra = saved.state_shards(), saved.extra_state()
+    assert "optim.unused.weight.exp_avg" not in shards and "optim.embed.weight.exp_avg" in shards
+
+    def fetch(key: str, start: int, length: int) -> torch.Tensor:
+        return shards[key].local[start : start + length]  # one process wrote every element
+
+    fresh = unused_moe.build()
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=unused_moe.LR)
+    TrainState(fresh, fresh_optimizer).load(fetch, extra, {})
+    for (name, p), q in zip(model.named_parameters(), fresh.parameters(), strict=True):
+        want, got = optimizer.state.get(p, {}), fresh_optimizer.state.get(q, {})
+        assert set(got) == set(want), name
+        for key in want:
+            assert torch.equal(torch.as_tensor(got[key]), torch.as_tensor(want[key])), f"{name}.{key}"
