@@ -21,7 +21,16 @@ pytestmark = pytest.mark.slow
 
 STRATEGIES = ["ddp", "zero1", "zero2", "zero3"]
 ACCUMS = [1, 2]
-CASES = [{"name": f"{s}-accum{a}", "strategy": s, "accum": a} for s in STRATEGIES for a in ACCUMS]
+CASES = [
+    {"name": f"{s}-accum{a}", "strategy": s, "accum": a, "collective": "auto"}
+    for s in STRATEGIES
+    for a in ACCUMS
+]
+# The flags' all-reduce (a few dozen floats) on each of dtjob's own algorithms too.
+CASES += [
+    {"name": f"{s}-accum{a}-{c}", "strategy": s, "accum": a, "collective": c}
+    for s, a, c in [("zero1", 2, "ring"), ("zero2", 1, "hd"), ("zero3", 2, "direct"), ("ddp", 2, "ring")]
+]
 # Never used, or not at all after the first step's first micro-step: AdamW must not touch them.
 NEVER = ("unused.", "frozen.", ".experts.3.")
 FIRST_STEP_ONLY = ".experts.2."

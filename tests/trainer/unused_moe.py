@@ -130,13 +130,13 @@ def train(model: nn.Module, accum: int, world: int, rank: int, wrapped: bool) ->
     return out
 
 
-def wrap(model: nn.Module, strategy: str) -> nn.Module:
-    """ "ddp" or "zero1" / "zero2" / "zero3"."""
+def wrap(model: nn.Module, strategy: str, collective: str) -> nn.Module:
+    """strategy: "ddp" or "zero1" / "zero2" / "zero3"; collective: as the wrappers take it."""
     from dtjob.trainer.parallel import data_parallel, fully_shard
 
     if strategy == "ddp":
-        return data_parallel(model)
-    return fully_shard(model, zero_stage=int(strategy.removeprefix("zero")))
+        return data_parallel(model, collective=collective)
+    return fully_shard(model, zero_stage=int(strategy.removeprefix("zero")), collective=collective)
 
 
 def _worker(rank: int, world: int, cases: list[dict[str, Any]], out_dir: str) -> None:
@@ -146,7 +146,7 @@ def _worker(rank: int, world: int, cases: list[dict[str, Any]], out_dir: str) ->
     results: dict[str, Any] = {}
     for case in cases:
         try:
-            model = wrap(build(), case["strategy"])
+            model = wrap(build(), case["strategy"], case["collective"])
             results[case["name"]] = train(model, case["accum"], world, rank, wrapped=True)
         except Exception:
             results[case["name"]] = {"error": traceback.format_exc()}
