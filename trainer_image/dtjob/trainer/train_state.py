@@ -127,6 +127,9 @@ class TrainState:
             "common": common,
             "scalars": {} if common is not None else scalars,
             "param_groups": groups,
+            # Parameters the optimizer has not stepped yet (no rank got a gradient for them, so
+            # .grad stayed None): they load without state, as they were saved.
+            "stateless": sorted(s.name for s in params if not self.optimizer.state.get(s.tensor)),
         }
 
     def global_state(self) -> dict[str, Any]:
@@ -145,8 +148,12 @@ class TrainState:
                 n = s.tensor.numel()
                 s.tensor.copy_(fetch(f"model.{s.name}", s.offset, n).view(s.tensor.shape))
             if self.optimizer is not None:
+                stateless = set(optim.get("stateless", []))
                 for s in params:
                     p = s.tensor
+                    if s.name in stateless:
+                        self.optimizer.state.pop(p, None)
+                        continue
                     scalars = optim.get("common") or optim.get("scalars", {}).get(s.name, {})
                     # As torch's load_state_dict: "step" stays on the CPU unless the optimizer
                     # keeps it on the device (capturable or fused).

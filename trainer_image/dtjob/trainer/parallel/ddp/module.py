@@ -15,9 +15,13 @@ are launched strictly in index order, so every rank issues the same sequence of 
 callback queued on the autograd engine waits for them before `backward()` returns.
 
 Accumulation: inside `with model.no_sync():` forward and backward only accumulate locally; the
-next backward outside it reduces the sum. Parameters no rank produced a gradient for keep
-`grad = None` (the flags ride along in the last bucket: no extra collective), so the optimizer skips
-them as it would in one process.
+next backward outside it reduces the sum. Parameters no rank produced a gradient for (in this
+backward nor an earlier no_sync one) keep `grad = None`, so the optimizer skips them as it would in
+one process (AdamW neither decays them nor moves their moments); one used on some ranks only is
+averaged over all ranks, zeros from the rest, as DDP does. Like torch DDP's
+find_unused_parameters=True but automatic, and cheaper: one "has a gradient" flag per parameter
+rides along in the last bucket (no extra collective, one element of the gradients' dtype each),
+and it is read on the host (a device sync) only where this rank lacked a gradient.
 """
 
 from __future__ import annotations
@@ -275,6 +279,8 @@ def data_parallel(
     grad_compression: "bf16" or "fp16" halves the bytes on the wire; "none" sends the gradients'
         own dtype.
     broadcast_buffers: copy rank 0's buffers to every rank before each forward (torch's default).
+    Unused parameters need no flag: those no rank got a gradient for keep `.grad = None` (see the
+    module docstring).
     mixed_precision: None, "bf16" or "fp16": the forward runs under autocast; weights, gradients
         and their reduction keep the parameters' dtype.
     Every rank passes an identically constructed model; rank 0's parameters are broadcast.

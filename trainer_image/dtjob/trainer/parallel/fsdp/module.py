@@ -28,6 +28,17 @@ which each rank keeps its part); `full_state_dict(model)` gathers the real weigh
 average in the gradients' dtype and run in a fixed order (units in reverse, the root last), so
 every rank issues the same sequence of collectives. Gradient norms: `model.clip_grad_norm_()` or
 torch.nn.utils.clip_grad_norm_ (dtjob.trainer makes torch's count every rank's shard, see clip.py).
+
+No gradient stays no gradient (fsdp/grad_flags.py): a parameter that got no gradient on any rank
+in this backward (nor in an earlier no_sync micro-step since zero_grad) keeps `.grad = None` on
+every rank's shard, so a torch optimizer skips it as in one process (AdamW neither decays it nor
+moves its moments); one used on some ranks only is averaged over all ranks (zeros from the rest)
+as DDP does. Like torch DDP's find_unused_parameters=True but automatic, and cheaper: one
+all-reduce of a float32 flag per parameter per backward (4 bytes each), launched after the last
+unit's reduce-scatter and waited for with it; the flags are read on the host only where this rank
+has a piece that was None and whose parameter it got no gradient for. Under ZeRO-3 every rank
+must run the same units' forwards (each gathers its unit: a collective), so skip an expert inside
+a unit, not a whole unit on some ranks.
 """
 
 from __future__ import annotations
@@ -43,6 +54,7 @@ from torch import nn
 from dtjob.trainer.parallel import clip, common, guard
 from dtjob.trainer.parallel.comm import Comm, Handle
 from dtjob.trainer.parallel.fsdp.flat import FlatUnit
+from dtjob.trainer.parallel.fsdp.grad_flags import GradFlags
 from dtjob.trainer.parallel.shards import LocalShard
 
 log = logging.getLogger("dtjob.trainer.parallel")
@@ -100,12 +112,16 @@ class FullyShardedModule(common.Wrapper):
             for attr, p in list(sub._parameters.items()):
                 if p is not None and id(p) in piece_of:
                     self._registrations.append((sub, attr, p, piece_of[id(p)].param))
-        # Hooks reach this wrapper and its units weakly, by unit index (see common.weak_hook).
+        # Hooks reach this wrapper and its units weakly, by unit index (and a gradient hook by its
+        # slot's position in the unit, for GradFlags; see common.weak_hook).
         for unit in self.units:
-            for s in unit.slots:
-                s.param.register_post_accumulate_grad_hook(common.weak_hook(self, "_grad_hook", unit.index))
+            for i, s in enumerate(unit.slots):
+                s.param.register_post_accumulate_grad_hook(
+                    common.weak_hook(self, "_grad_hook", unit.index, i)
+                )
             if self.stage == 3:
                 unit.free_full()
+        self._grad_flags = GradFlags(self.units, comm)
         if self.stage == 1:
             self._grad_full = {u.index: torch.zeros_like(u.full) for u in self.units}
         for unit, sub in zip(self.block_units, self._unit_modules, strict=True):
@@ -345,7 +361,8 @@ class FullyShardedModule(common.Wrapper):
         return self.block_units[pos] if 0 <= pos < len(self.block_units) else None
 
     # -- hooks (common.weak_hook), by unit index ---------------------------------------------------
-    def _grad_hook(self, index: int, param: torch.Tensor) -> None:
+    def _grad_hook(self, index: int, slot: int, param: torch.Tensor) -> None:
+        self._grad_flags.mark(self.units[index], slot)
         self._on_grad_ready(self.units[index])
 
     def _pre_forward_hook(self, index: int, module: nn.Module, args: Any) -> None:
@@ -460,7 +477,9 @@ class FullyShardedModule(common.Wrapper):
             if unit.index not in self._ready:
                 self._unit_ready(unit)
         self._launch_ready()
+        self._grad_flags.launch()  # after every unit's reduce-scatter, on every rank
         self._finish_launched()
+        self._grad_flags.apply()
         self._close_step()
 
     def _finish_launched(self) -> None:
@@ -472,6 +491,7 @@ class FullyShardedModule(common.Wrapper):
             flat, out, handle = self._reductions.pop(unit.index)
             assert handle is not None
             handle.wait()
+            self._grad_flags.note(unit)
             unit.add_to_shard_grads(out.div_(self.comm.size))
             for piece in unit.pieces:
                 if piece.param.grad is not None:
@@ -525,6 +545,9 @@ def fully_shard(
     mixed_precision: None, "bf16" or "fp16": the forward runs under autocast; parameters,
         gradients and their reduction keep the parameters' dtype (fp32 master weights).
     prefetch: ZeRO-3 gathers the next unit while the current one computes.
+    A parameter no rank got a gradient for keeps `.grad = None` (see the module docstring): no
+    find_unused_parameters flag to set; the cost is one all-reduce of 4 bytes per parameter per
+    backward.
     Every rank passes an identically constructed model; rank 0's parameters are broadcast.
     """
     if not torch.distributed.is_initialized():
