@@ -10,6 +10,7 @@ returns "ok" or its traceback; the ranks run the same checks in the same order.
 from __future__ import annotations
 
 import traceback
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -156,6 +157,28 @@ def check_gpt2_generate(stage: int) -> None:
     )
 
 
+def _loss_method(self: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    loss: torch.Tensor = self(input_ids=input_ids, labels=labels).loss
+    return loss
+
+
+def check_training_through_a_method() -> None:
+    """A method of the user's that runs the forward with gradients (reached through the wrapper)
+    trains as model(...) does: its step stays open for the backward, which reduces."""
+    ref, model = gpt2(), fully_shard(gpt2(), zero_stage=3)
+    model.module.loss_of = types.MethodType(_loss_method, model.module)
+    ref_opt, opt = optimizer(ref.parameters()), optimizer(model.parameters())
+    for step in range(2):
+        full = batch(step, "gpt2")
+        want = float(train_step(ref, ref_opt, full))
+        opt.zero_grad()
+        loss = model.loss_of(**mine(full))
+        loss.backward()
+        opt.step()
+        torch.testing.assert_close(global_loss(loss), want, **TOL)
+    assert gathered_bytes(model) == 0
+
+
 def _registered(model: FullyShardedModule) -> dict[str, torch.Tensor]:
     return dict(model.module.named_parameters())
 
@@ -242,6 +265,7 @@ CHECKS: dict[str, Callable[[], None]] = {
     **{f"gpt2-generate-zero{s}": (lambda s=s: check_gpt2_generate(s)) for s in (1, 2, 3)},
     **{f"unshard-zero{s}": (lambda s=s: check_unshard_round_trip(s)) for s in (1, 2, 3)},
     "t5-zero3": check_t5_zero3,
+    "train-through-method": check_training_through_a_method,
 }
 
 

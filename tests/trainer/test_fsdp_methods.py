@@ -19,8 +19,6 @@ import torch.multiprocessing as mp
 from tests.trainer import fsdp_methods_worker as worker
 from tests.trainer.runtime_gang import free_port
 
-pytest.importorskip("transformers")
-
 
 def _run(rank: int, port: int, results: multiprocessing.Queue[Any]) -> None:
     torch.set_num_threads(1)
@@ -69,3 +67,10 @@ def test_t5_zero3_trains_as_one_process_and_its_encoder_and_decoder_run_outside_
     outcomes: list[dict[str, str]],
 ) -> None:
     _assert_ok(outcomes, "t5-zero3")
+
+
+@pytest.mark.slow
+def test_a_user_method_that_runs_the_forward_with_gradients_trains_as_one_process(
+    outcomes: list[dict[str, str]],
+) -> None:
+    _assert_ok(outcomes, "train-through-method")
