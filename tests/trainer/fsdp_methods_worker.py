@@ -122,11 +122,9 @@ def check_gpt2_generate(stage: int) -> None:
         assert gathered_bytes(model) == 0
     ref_opt, opt = optimizer(ref.parameters()), optimizer(model.parameters())
     same_generation(model, ref)
-    embeddings, head, block = (
-        model.get_input_embeddings(),
-        model.get_output_embeddings(),
-        model.transformer.h[1],
-    )
+    # Taken before training, used after it.
+    embeddings, head = model.get_input_embeddings(), model.get_output_embeddings()
+    block = model.transformer.h[1]
     for step in range(STEPS):
         full = batch(step, "gpt2")
         want = float(train_step(ref, ref_opt, full))
@@ -140,10 +138,14 @@ def check_gpt2_generate(stage: int) -> None:
         torch.testing.assert_close(head(hidden), ref.get_output_embeddings()(hidden), **TOL)
         torch.testing.assert_close(block(hidden)[0], ref.transformer.h[1](hidden)[0], **TOL)
         # A unit reached around the wrapper gathers itself too (its hooks).
-        torch.testing.assert_close(
-            model.module.transformer.h[0](hidden)[0], ref.transformer.h[0](hidden)[0], **TOL
-        )
-    assert gathered_bytes(model) == (0 if stage == 3 else gathered_bytes(model))
+        first = model.module.transformer.h[0](hidden)[0]
+        torch.testing.assert_close(first, ref.transformer.h[0](hidden)[0], **TOL)
+        # A module inside a unit, reached through the wrapper and called on its own.
+        attention = model.transformer.h[0].attn
+        torch.testing.assert_close(attention(hidden)[0], ref.transformer.h[0].attn(hidden)[0], **TOL)
+    if stage == 3:
+        assert gathered_bytes(model) == 0  # also the next unit, which the first one prefetched
+    check_parameter_reads(model, ref, stage)
     try:
         embeddings(ids).sum().backward()
     except RuntimeError as err:
@@ -176,6 +178,29 @@ def check_training_through_a_method() -> None:
         loss.backward()
         opt.step()
         torch.testing.assert_close(global_loss(loss), want, **TOL)
+    assert gathered_bytes(model) == 0
+
+
+def _block_sum(self: nn.Module) -> float:
+    return float(self.transformer.h[0].mlp.c_fc.weight.sum())
+
+
+def check_parameter_reads(model: Any, ref: nn.Module, stage: int) -> None:
+    """A method that reads parameters outside any forward: shapes are the full ones at every
+    stage; values too at ZeRO-1/2, while at ZeRO-3 an ungathered unit's parameters have no data
+    (meta), so reading them raises instead of returning this rank's shard or crashing."""
+    assert model.num_parameters() == ref.num_parameters()
+    model.module.block_sum = types.MethodType(_block_sum, model.module)
+    want = _block_sum(ref)
+    if stage < 3:
+        torch.testing.assert_close(model.block_sum(), want, **TOL)
+        return
+    try:
+        got = model.block_sum()
+    except (RuntimeError, NotImplementedError) as err:
+        assert "meta" in str(err), err
+    else:
+        raise AssertionError(f"ZeRO-3 read an ungathered unit's parameter: {got} (full: {want})")
     assert gathered_bytes(model) == 0
 
 

@@ -122,9 +122,7 @@ class FullyShardedModule(Unsharding, common.Wrapper):
         self._prebackward_done: set[int] = set()
         # ZeRO-3: the most units whose full parameters were held at once during the last step.
         self.peak_gathered_units = 0
-        self._init_unsharding(
-            [(u.label, m) for u, m in zip(self.block_units, self._unit_modules, strict=True)]
-        )
+        self._init_unsharding(list(zip(self.block_units, self._unit_modules, strict=True)))
         self._use_shards()
 
     def _make_units(
@@ -308,6 +306,7 @@ class FullyShardedModule(Unsharding, common.Wrapper):
         self._use_shards()
         self._step_open = False
         self._in_backward = False
+        self._lazy_units = False
 
     def _sync_params(self) -> None:
         """ZeRO-1/2: all-gather the shards the optimizer changed since the last gather."""

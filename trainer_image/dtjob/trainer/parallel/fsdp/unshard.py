@@ -55,18 +55,33 @@ class Unsharding:
         units: list[FlatUnit]
         mixed_precision: str | None
         _step_open: bool
+        _registrations: list[tuple[nn.Module, str, nn.Parameter, nn.Parameter]]
 
         def _open_step(self, grad: bool) -> None: ...
         def _close_step(self) -> None: ...
         def _gather(self, unit: FlatUnit) -> None: ...
 
-    def _init_unsharding(self, unit_modules: list[tuple[str, nn.Module]]) -> None:
+    def _init_unsharding(self, unit_modules: list[tuple[FlatUnit, nn.Module]]) -> None:
         self._unsharded = False  # unshard() holds the full parameters until reshard()
         self._scopes: list[contextlib.ExitStack | None] = []  # one per hooked call running
         self._module_ids = {id(m) for m in self.module.modules()}
         self._scope_hooked: set[int] = set()
-        for label, sub in unit_modules:
-            self._hook_scope(sub, f"unit {label}")
+        self._reached: set[int] = set()  # modules whose whole subtree has the scope hooks
+        # ZeRO-3, in a scope's step: a block unit's parameters are registered while it runs; meta
+        # stand-ins of their shapes otherwise, so code reading them outside the unit's forward
+        # fails (meta tensors have no data) instead of reading the freed full buffer (a crash).
+        self._lazy_units = False
+        unit_of_param = {id(s.param): unit.index for unit, _ in unit_modules for s in unit.slots}
+        self._unit_registrations: dict[int, list[tuple[nn.Module, str, nn.Parameter, nn.Parameter]]] = {}
+        for sub, attr, full, _piece in self._registrations:
+            index = unit_of_param.get(id(full))
+            if index is not None:
+                meta = nn.Parameter(torch.empty_like(full, device="meta"), requires_grad=full.requires_grad)
+                self._unit_registrations.setdefault(index, []).append((sub, attr, full, meta))
+        # Every module inside a block unit (the unit too): that unit's index.
+        self._unit_of = {id(m): unit.index for unit, sub in unit_modules for m in sub.modules()}
+        for unit, sub in unit_modules:
+            self._hook_scope(sub, f"unit {unit.label}")
 
     # -- FSDP2's surface ---------------------------------------------------------------------------
     def unshard(self, async_op: bool = False) -> _Done | None:
@@ -109,13 +124,27 @@ class Unsharding:
                 "model.reshard() first (unshard() is for inference and inspection, under torch.no_grad())"
             )
 
+    def _open_scope(self, grad: bool) -> None:
+        """A step for a call outside the wrapper's forward (ZeRO-3: units registered lazily)."""
+        self._open_step(grad)
+        if self.stage == 3:
+            self._lazy_units = True
+            for index in self._unit_registrations:
+                self._register_unit(index, full=False)
+
+    def _register_unit(self, index: int, full: bool) -> None:
+        for sub, attr, param, meta in self._unit_registrations.get(index, []):
+            sub._parameters[attr] = param if full else meta
+
     # -- what the wrapper's __getattr__ hands out --------------------------------------------------
     def _forwarded(self, value: Any) -> Any:
-        """A method of the wrapped model (or a submodule's) runs in a scope; a submodule gets the
-        scope hooks for calls made later."""
+        """A method of the wrapped model (or a submodule's) runs in a scope; a submodule and every
+        module inside it get the scope hooks for calls made later."""
         if isinstance(value, nn.Module):
-            if id(value) in self._module_ids:
-                self._hook_scope(value, type(value).__name__)
+            if id(value) in self._module_ids and id(value) not in self._reached:
+                self._reached.add(id(value))
+                for sub in value.modules():
+                    self._hook_scope(sub, type(sub).__name__)
             return value
         owner = getattr(value, "__self__", None)
         if inspect.ismethod(value) and isinstance(owner, nn.Module) and id(owner) in self._module_ids:
@@ -128,7 +157,7 @@ class Unsharding:
             grad = torch.is_grad_enabled()
             opened = not self._step_open
             if opened:
-                self._open_step(grad)
+                self._open_scope(grad)
             try:
                 with common.autocast(self.mixed_precision, self.units[0].device):
                     out = method(*args, **kwargs)
@@ -155,21 +184,27 @@ class Unsharding:
 
     def _scope_pre_hook(self, label: str, module: nn.Module, args: Any) -> None:
         self._scopes.append(None)  # first: the post-hook pops it even if this raises
-        if self._step_open:
-            return
-        if torch.is_grad_enabled():
-            raise RuntimeError(
-                f"fully_shard: {label} ran outside the wrapped model's forward with gradients enabled; to "
-                "train, call the module fully_shard returned (model(...)), whose backward reduces the "
-                "gradients; for inference, run it under torch.no_grad()"
-            )
-        scope = contextlib.ExitStack()
-        self._open_step(False)
-        scope.callback(self._close_step)
-        scope.enter_context(common.autocast(self.mixed_precision, self.units[0].device))
-        self._scopes[-1] = scope
+        if not self._step_open:
+            if torch.is_grad_enabled():
+                raise RuntimeError(
+                    f"fully_shard: {label} ran outside the wrapped model's forward with gradients enabled; "
+                    "to train, call the module fully_shard returned (model(...)), whose backward reduces "
+                    "the gradients; for inference, run it under torch.no_grad()"
+                )
+            scope = contextlib.ExitStack()
+            self._open_scope(False)
+            scope.callback(self._close_step)
+            scope.enter_context(common.autocast(self.mixed_precision, self.units[0].device))
+            self._scopes[-1] = scope
+        index = self._unit_of.get(id(module))
+        if self._lazy_units and index is not None:
+            self._gather(self.units[index])  # a module inside the unit, called on its own: gathered here
+            self._register_unit(index, full=True)
 
     def _scope_post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
         scope = self._scopes.pop()
+        index = self._unit_of.get(id(module))
+        if self._lazy_units and index is not None and not self.units[index].gathered:
+            self._register_unit(index, full=False)  # the unit's own hook freed it
         if scope is not None:
             scope.close()
