@@ -9,15 +9,19 @@ reached through the wrapper, and FSDP2's `unshard()` / `reshard()`.
 
 Between steps the wrapped module holds this rank's 1-D shards. A *scope* makes it runnable as a
 no-grad forward does: the full parameters registered (ZeRO-1/2: the shards the optimizer changed
-gathered), ZeRO-3: the root unit gathered, and each block unit gathered by its forward hooks and
-freed after, so a generate() holds what a forward holds. When the scope ends the shards are
+gathered); ZeRO-3: the root unit gathered, and each block unit gathered by its forward hooks and
+freed after, so a generate() holds what a forward holds. At ZeRO-3 a block unit's parameters are
+registered only while it is gathered, meta tensors of their shapes otherwise: shapes read right
+(num_parameters()), values read outside the unit's forward raise instead of crashing on the freed
+buffer (use unshard() or full_state_dict(model) for them). When the scope ends the shards are
 registered again and (ZeRO-3) every gathered unit freed. Scopes open:
 - around a method of the wrapped model or of any submodule, reached through the wrapper
   (`model.generate`, `model.get_input_embeddings`); with gradients enabled a method whose result
   needs a backward leaves the step open for it, as forward does;
 - around a call, outside a step, of a submodule reached through the wrapper (an attribute, or
-  what such a method returns) and of every unit: under torch.no_grad() only (training goes
-  through the wrapper's forward, where backward reduces the gradients);
+  what such a method returns, and every module inside it) and of every unit: under
+  torch.no_grad() only (training goes through the wrapper's forward, where backward reduces the
+  gradients);
 - from unshard() (ZeRO-3: gathering every unit) until reshard().
 A scope gathers with collectives: every rank makes the same calls (as with FSDP2's unshard()).
 """
