@@ -41,8 +41,8 @@ METHODS = [
 _SHARDING = {"set_reshard_after_forward", "unshard", "reshard"}
 UNSUPPORTED = {
     "data_parallel": {"register_comm_hook", "join", *_SHARDING},
-    "fully_shard-1": {"register_comm_hook", "join", *_SHARDING},
-    "fully_shard-3": {"register_comm_hook", "join", *_SHARDING},
+    "fully_shard-1": {"register_comm_hook", "join", "set_reshard_after_forward"},
+    "fully_shard-3": {"register_comm_hook", "join", "set_reshard_after_forward"},
     "pipeline": {"no_sync", "set_requires_gradient_sync", "register_comm_hook", "join", *_SHARDING},
 }
 CONFIG = MLPConfig(inputs=12, hidden=24, classes=6, depth=4)
@@ -205,6 +205,18 @@ def _call_unsupported(kind: str, method: str) -> None:
     raise AssertionError(f"{kind}.{method}() raised nothing")
 
 
+def check_unshard(kind: str) -> None:
+    """unshard(): the wrapped module holds the full parameters (rank 0's, broadcast when
+    wrapping: _model()'s) until reshard() registers the 1-D shards again."""
+    model = _wrap(kind)
+    want = dict(_model().named_parameters())
+    model.unshard()
+    for name, p in model.module.named_parameters():
+        torch.testing.assert_close(p.detach(), want[name].detach(), rtol=0, atol=0, msg=name)
+    model.reshard()
+    assert all(p.dim() == 1 for p in model.module.parameters())
+
+
 CHECKS: dict[str, Callable[[str], None]] = {
     "no_sync": check_sync,
     "set_requires_gradient_sync": check_sync,
@@ -214,6 +226,8 @@ CHECKS: dict[str, Callable[[str], None]] = {
     "to": check_to,
     "zero_grad": check_zero_grad,
     "clip_grad_norm_": check_clip,
+    "unshard": check_unshard,
+    "reshard": check_unshard,
 }
 
 

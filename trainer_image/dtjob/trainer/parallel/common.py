@@ -35,7 +35,12 @@ class Wrapper(nn.Module):
         except AttributeError:
             if name == "module":
                 raise
-            return getattr(self.module, name)
+            return self._forwarded(getattr(self.module, name))
+
+    def _forwarded(self, value: Any) -> Any:
+        """What `__getattr__` hands out for an attribute of the wrapped module (fully_shard wraps
+        its methods so they run on the full parameters, fsdp/unshard.py)."""
+        return value
 
     def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> Any:
         raise NotSupported(

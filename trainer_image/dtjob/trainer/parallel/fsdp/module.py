@@ -39,6 +39,9 @@ unit's reduce-scatter and waited for with it; the flags are read on the host onl
 has a piece that was None and whose parameter it got no gradient for. Under ZeRO-3 every rank
 must run the same units' forwards (each gathers its unit: a collective), so skip an expert inside
 a unit, not a whole unit on some ranks.
+
+The model's own methods reached through the wrapper (`model.generate()`, `model.get_encoder()`)
+and FSDP2's unshard() / reshard() run on the full parameters: see unshard.py.
 """
 
 from __future__ import annotations
@@ -55,18 +58,13 @@ from dtjob.trainer.parallel import clip, common, guard
 from dtjob.trainer.parallel.comm import Comm, Handle
 from dtjob.trainer.parallel.fsdp.flat import FlatUnit
 from dtjob.trainer.parallel.fsdp.grad_flags import GradFlags
+from dtjob.trainer.parallel.fsdp.unshard import Unsharding
 from dtjob.trainer.parallel.shards import LocalShard
 
 log = logging.getLogger("dtjob.trainer.parallel")
 
 
-_INSTEAD_UNSHARD = (
-    "forward and backward gather each unit themselves; for the full weights use "
-    "dtjob.trainer.parallel.full_state_dict(model)"
-)
-
-
-class FullyShardedModule(common.Wrapper):
+class FullyShardedModule(Unsharding, common.Wrapper):
     """The module `fully_shard` returns; see the module docstring."""
 
     def __init__(
@@ -140,6 +138,7 @@ class FullyShardedModule(common.Wrapper):
         self._prebackward_done: set[int] = set()
         # ZeRO-3: the most units whose full parameters were held at once during the last step.
         self.peak_gathered_units = 0
+        self._init_unsharding(list(zip(self.block_units, self._unit_modules, strict=True)))
         self._use_shards()
 
     def _make_units(
@@ -264,12 +263,6 @@ class FullyShardedModule(common.Wrapper):
             "forward (reshard_after_forward=True), zero_stage=1 or 2 keeps full parameters on every rank",
         )
 
-    def unshard(self, *args: Any, **kwargs: Any) -> Any:
-        common.not_supported("fully_shard", "unshard", _INSTEAD_UNSHARD)
-
-    def reshard(self) -> None:
-        common.not_supported("fully_shard", "reshard", _INSTEAD_UNSHARD)
-
     # -- checkpoints (parallel/shards.py) -------------------------------------------------------
     def local_shards(self) -> list[LocalShard]:
         self._sync_params()
@@ -302,6 +295,7 @@ class FullyShardedModule(common.Wrapper):
         """Before a forward: full parameters registered, ZeRO-1/2 shards gathered, the root gathered."""
         if self._step_open and self._in_backward:
             raise RuntimeError("fully_shard: forward called while a backward pass of this model runs")
+        self._refuse_training_while_unsharded()
         if not self._step_open:
             self._sync_params()
             self._use_full()
@@ -313,17 +307,22 @@ class FullyShardedModule(common.Wrapper):
             self._gather(self.root_unit)
 
     def _close_step(self) -> None:
-        """After the backward (or a forward without one): shards registered, ZeRO-3 memory freed."""
-        if not self._step_open:
+        """After the backward (or a forward without one): shards registered, ZeRO-3 memory freed.
+        Not while unshard() holds the full parameters: reshard() ends that."""
+        if not self._step_open or self._unsharded:
             return
         if self.stage == 3:
-            for unit in self.units:
-                if unit.gathered:
-                    unit.free_full()
+            # A prefetch no forward used (a unit called on its own outside a step prefetches the
+            # next): let it land before its buffer is freed.
+            for handle in self._pending_gather.values():
+                handle.wait()
             self._pending_gather.clear()
+            for unit in self.units:
+                unit.free_full()
         self._use_shards()
         self._step_open = False
         self._in_backward = False
+        self._lazy_units = False
 
     def _sync_params(self) -> None:
         """ZeRO-1/2: all-gather the shards the optimizer changed since the last gather."""
@@ -380,6 +379,7 @@ class FullyShardedModule(common.Wrapper):
                 f"fully_shard: unit {unit.label} ran outside the wrapped model's forward; call the module "
                 "fully_shard returned, not its .module"
             )
+        self._refuse_training_while_unsharded()
         self._gather(unit)
         following = self._neighbour(unit, 1)
         if self.prefetch and following is not None:
@@ -387,7 +387,7 @@ class FullyShardedModule(common.Wrapper):
 
     def _post_forward(self, unit: FlatUnit, output: Any) -> None:
         if not torch.is_grad_enabled():
-            if not self._in_backward and self.stage == 3:
+            if not self._in_backward and self.stage == 3 and not self._unsharded:
                 unit.free_full()
             return
         if not self._in_backward and self.stage == 3:
