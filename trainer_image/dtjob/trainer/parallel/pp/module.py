@@ -4,6 +4,7 @@
     optimizer = torch.optim.AdamW(pipe.parameters())     # this stage's parameters
     loss = pipe.step(batch, targets)                       # forward + backward of the whole batch
     optimizer.step(); optimizer.zero_grad()
+    loss, outputs = pipe.eval_step(batch, targets)         # forward only, between training steps
 
 Layout for world size W = D * P: rank = replica * P + stage. The P ranks of a replica form a
 pipeline (activations forward, their gradients backward, point-to-point); the D ranks holding the
@@ -22,7 +23,16 @@ tensors of that call are sent on and the forward stops. The last stage runs to t
 computes the loss: `loss_fn(output, targets)`, or the output's own `.loss` (Hugging Face models
 given `labels`). A stand-in output that the stage still uses after its boundary (a skip connection
 around the cut) would be silently wrong, so its zeros require grad and the first step raises if
-any of them receives a gradient.
+any of them receives a gradient. What crosses a boundary (tensors of any layout, tuples/lists/dicts
+of them, constants) is in boundary.py.
+
+Parameters without a gradient: a frozen parameter (requires_grad=False) belongs to its stage's
+state dicts and checkpoints but gets no gradient buffer. A trainable one that no micro-batch gave a
+gradient on any replica of its stage (a layer the forward skipped, an expert no token chose) ends
+the step with `.grad` None, as in one process, so the optimizer skips it (no weight decay, no
+moment update). The replicas agree on it by one all-reduce of a flag per parameter per step, as
+torch DDP's find_unused_parameters=True does; a replica that did not use it contributes zeros to
+the average, as there.
 
 Between two actions a stage sends what the first produced and receives what the second needs in
 one batch (schedule.exchanges, wire.py): under NCCL, unbatched sends and receives facing each other
