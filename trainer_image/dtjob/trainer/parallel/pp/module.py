@@ -506,7 +506,11 @@ class Pipeline(common.Wrapper):
             self.dp_comm.all_reduce_sum(self._used)
         for comm, shared, _first in self._tie_comms:
             ids = {id(p) for p in shared}
-            index = torch.tensor([i for i, (_, p) in enumerate(self._owned) if id(p) in ids])
+            index = torch.tensor(
+                [i for i, (_, p) in enumerate(self._owned) if id(p) in ids], dtype=torch.long
+            )
+            if not len(index):
+                continue  # every shared parameter frozen: the same on each of these stages
             flags = self._used[index]
             comm.all_reduce_sum(flags)
             self._used[index] = flags
