@@ -55,6 +55,10 @@ def _check(value: Any, where: str, boundary: str) -> None:
     )
 
 
+def _layout(spec: pytree.TreeSpec) -> str:
+    return " ".join(str(spec).split())  # on one line: it is quoted in errors
+
+
 def capture(boundary: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Crossing:
     """The call's tensors, constants and structure; raises if a value cannot cross."""
     for i, a in enumerate(args):
@@ -64,7 +68,7 @@ def capture(boundary: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Cro
     leaves, spec = pytree.tree_flatten((args, kwargs))
     tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
     constants = [(i, v) for i, v in enumerate(leaves) if not isinstance(v, torch.Tensor)]
-    return Crossing(tensors, constants, str(spec))
+    return Crossing(tensors, constants, _layout(spec))
 
 
 def check_constants(boundary: str, first: Crossing, other: Crossing, microbatch: int) -> None:
@@ -82,9 +86,10 @@ def substitute(
 ) -> tuple[Any, Any]:
     """This stage's call at `boundary`, its tensors and constants replaced by those received."""
     leaves, spec = pytree.tree_flatten((args, kwargs))
-    if str(spec) != header["layout"]:
+    layout = _layout(spec)
+    if layout != header["layout"]:
         raise RuntimeError(
-            f"pipeline stage {stage}: boundary {boundary} is called with arguments shaped {spec} here but "
+            f"pipeline stage {stage}: boundary {boundary} is called with arguments shaped {layout} here but "
             f"{header['layout']} on stage {stage - 1}; the code before a boundary must call it the same "
             "way on every stage"
         )
