@@ -59,3 +59,17 @@ def test_stand_ins_reproduce_dicts_and_model_outputs() -> None:
     assert zeros.last_hidden_state.shape == (2, 3) and zeros.hidden_states[0].shape == (2, 3)
     plain = zeros_of(spec_of({"a": torch.ones(1), "b": None}), torch.device("cpu"))
     assert isinstance(plain, dict) and plain["b"] is None and plain["a"].shape == (1,)
+
+
+def test_a_hugging_face_cache_stays_on_each_stage() -> None:
+    """Llama and GPT-2 pass a DynamicCache to every layer (use_cache=True by default): it holds
+    each layer's own keys and values, so the next stage keeps its own."""
+    from transformers import DynamicCache
+
+    mine, theirs = DynamicCache(), DynamicCache()
+    crossing = boundary.capture("layers.1", (torch.zeros(2),), {"cache": mine, "use_cache": True})
+    header = {"constants": crossing.constants, "layout": crossing.layout}
+    _, kwargs = boundary.substitute(
+        "layers.1", 1, (torch.ones(2),), {"cache": theirs, "use_cache": False}, crossing.tensors, header
+    )
+    assert kwargs["cache"] is theirs and kwargs["use_cache"] is True

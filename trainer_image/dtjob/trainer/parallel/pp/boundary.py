@@ -7,9 +7,12 @@ rebuilds the call from its own forward's call at that boundary: every tensor and
 replaced by what stage s sent, after checking that both calls have the same structure.
 
 Only tensors, plain tuples/lists/dicts of them and constants cross: anything else (a Hugging Face
-`ModelOutput`, a cache object) has no faithful copy on the next stage, so the capture raises,
-naming the argument and how to choose another split. A constant must be the same on every
-micro-batch of a step: a value that varies with the data belongs in a tensor.
+`ModelOutput`, a user's object holding tensors) has no faithful copy on the next stage, so the
+capture raises, naming the argument and how to choose another split. One exception: a Hugging
+Face `Cache` (Llama and GPT-2 pass a DynamicCache to every layer, use_cache=True by default) holds
+each layer's own keys and values, so each stage keeps its own and it does not cross. A constant
+must be the same on every micro-batch of a step: a value that varies with the data belongs in a
+tensor.
 """
 
 from __future__ import annotations
@@ -34,12 +37,17 @@ class Crossing:
     """One micro-batch's boundary call, as sent: its tensors, and the rest in the header."""
 
     tensors: list[torch.Tensor]
-    constants: list[tuple[int, Any]]  # (leaf index, value) of every non-tensor leaf
+    constants: list[tuple[int, Any]]  # (leaf index, value) of every non-tensor leaf but a cache
     layout: str  # the call's structure (a pytree spec), which both stages' calls must share
 
 
+def _is_local(value: Any) -> bool:
+    """A Hugging Face cache: per-layer state that each stage keeps for its own layers."""
+    return any(c.__name__ == "Cache" and c.__module__.startswith("transformers") for c in type(value).__mro__)
+
+
 def _check(value: Any, where: str, boundary: str) -> None:
-    if isinstance(value, torch.Tensor) or type(value) in _CONSTANTS:
+    if isinstance(value, torch.Tensor) or type(value) in _CONSTANTS or _is_local(value):
         return
     if type(value) in (tuple, list):
         for i, v in enumerate(value):
@@ -67,7 +75,7 @@ def capture(boundary: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Cro
         _check(v, f"argument {k}=", boundary)
     leaves, spec = pytree.tree_flatten((args, kwargs))
     tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
-    constants = [(i, v) for i, v in enumerate(leaves) if not isinstance(v, torch.Tensor)]
+    constants = [(i, v) for i, v in enumerate(leaves) if not isinstance(v, torch.Tensor) and not _is_local(v)]
     return Crossing(tensors, constants, _layout(spec))
 
 
