@@ -750,6 +750,9 @@ def pipeline(
     """Cut `model` into `stages` stages over the default process group (see the module docstring).
 
     split: the P-1 module names where stages 1..P-1 begin (None: balanced among the model's blocks).
+        Each must be called with tensors, tuples/lists/dicts of them and constants only (see
+        boundary.py); the first step checks the calls, an automatic split's included, and raises
+        on every stage naming the argument that cannot cross.
     microbatches: per replica per step; the replica's batch must split into that many equal parts.
         The idle share of a step (bubble) is (P-1)/(M+P-1).
     schedule: "gpipe" (all forwards, then all backwards) or "1f1b" (at most P micro-batches'
