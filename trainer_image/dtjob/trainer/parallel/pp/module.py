@@ -4,6 +4,7 @@
     optimizer = torch.optim.AdamW(pipe.parameters())     # this stage's parameters
     loss = pipe.step(batch, targets)                       # forward + backward of the whole batch
     optimizer.step(); optimizer.zero_grad()
+    loss, outputs = pipe.eval_step(batch, targets)         # forward only, between training steps
 
 Layout for world size W = D * P: rank = replica * P + stage. The P ranks of a replica form a
 pipeline (activations forward, their gradients backward, point-to-point); the D ranks holding the
@@ -22,7 +23,16 @@ tensors of that call are sent on and the forward stops. The last stage runs to t
 computes the loss: `loss_fn(output, targets)`, or the output's own `.loss` (Hugging Face models
 given `labels`). A stand-in output that the stage still uses after its boundary (a skip connection
 around the cut) would be silently wrong, so its zeros require grad and the first step raises if
-any of them receives a gradient.
+any of them receives a gradient. What crosses a boundary (tensors of any layout, tuples/lists/dicts
+of them, constants) is in boundary.py.
+
+Parameters without a gradient: a frozen parameter (requires_grad=False) belongs to its stage's
+state dicts and checkpoints but gets no gradient buffer. A trainable one that no micro-batch gave a
+gradient on any replica of its stage (a layer the forward skipped, an expert no token chose) ends
+the step with `.grad` None, as in one process, so the optimizer skips it (no weight decay, no
+moment update). The replicas agree on it by one all-reduce of a flag per parameter per step, as
+torch DDP's find_unused_parameters=True does; a replica that did not use it contributes zeros to
+the average, as there.
 
 Between two actions a stage sends what the first produced and receives what the second needs in
 one batch (schedule.exchanges, wire.py): under NCCL, unbatched sends and receives facing each other
@@ -41,9 +51,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from dtjob.trainer.collectives import abort
 from dtjob.trainer.parallel import clip, common, guard
 from dtjob.trainer.parallel.comm import Comm, control_group, new_group
-from dtjob.trainer.parallel.pp import wire
+from dtjob.trainer.parallel.pp import boundary, wire
 from dtjob.trainer.parallel.pp.schedule import P2P, exchanges
 from dtjob.trainer.parallel.pp.split import auto_split, plan, spec_of, zeros_of
 from dtjob.trainer.parallel.shards import LocalShard
@@ -87,6 +98,26 @@ def _chunks(value: Any, parts: int, what: str) -> list[Any]:
         else:
             cut.append([leaf] * parts)
     return [pytree.tree_unflatten([c[i] for c in cut], spec) for i in range(parts)]
+
+
+def _own_loss(output: Any) -> Any:
+    loss = getattr(output, "loss", None)
+    return output.get("loss") if loss is None and isinstance(output, dict) else loss
+
+
+def _concat(outputs: list[Any]) -> Any:
+    """Micro-batch outputs as one: tensors concatenated along dim 0, scalars (a micro-batch's
+    mean loss) averaged, anything else taken from the first."""
+    leaves = [pytree.tree_flatten(o)[0] for o in outputs]
+    spec = pytree.tree_flatten(outputs[0])[1]
+    merged = []
+    for parts in zip(*leaves, strict=True):
+        first = parts[0]
+        if isinstance(first, torch.Tensor):
+            merged.append(torch.cat(parts) if first.dim() else torch.stack(parts).mean())
+        else:
+            merged.append(first)
+    return pytree.tree_unflatten(merged, spec)
 
 
 def _call(module: nn.Module, inputs: Any) -> Any:
@@ -134,13 +165,14 @@ class _Microbatch:
 
     def __init__(self) -> None:
         self.received: list[torch.Tensor] = []  # from the previous stage
-        self.specs: dict[str, Any] = {}  # the previous stage's stand-in output specs
+        self.header: dict[str, Any] = {}  # its stand-in output specs, and the boundary call's rest
         self.outgoing: list[torch.Tensor] = []  # the next boundary call's tensors, to send
-        self.outgoing_specs: dict[str, Any] = {}
+        self.outgoing_header: dict[str, Any] = {}
         self.sent: list[torch.Tensor] = []  # those of `outgoing` that require grad
         self.grads_in: list[torch.Tensor] = []  # their gradients, from the next stage
         self.grads_out: list[torch.Tensor] = []  # gradients of `received` that require grad
         self.loss: torch.Tensor | None = None  # last stage
+        self.output: Any = None  # last stage, eval_step
         self.stand_ins: list[torch.Tensor] = []
 
 
@@ -191,15 +223,23 @@ class Pipeline(common.Wrapper):
         self.next_rank = rank + 1 if self.stage < P - 1 else None
 
         common.broadcast_from_rank0([*module.parameters(), *module.buffers()], self.comm)
+        # A stage failing ends its peers' waits, those on headers (the control group) included.
+        headers = self._control or dist.group.WORLD
+        if headers is not None:
+            abort.register(headers)
         self.plan = plan(module, boundaries)
-        self._owned = [
-            (n, p)
-            for n, p in module.named_parameters()
-            if self.stage in self.plan.owners[id(p)] and p.requires_grad
+        # This stage's parameters (for state dicts and checkpoints), and those that train.
+        self._stage_params = [
+            (n, p) for n, p in module.named_parameters() if self.stage in self.plan.owners[id(p)]
         ]
-        self._device = self._owned[0][1].device if self._owned else torch.device("cpu")
-        for _, p in self._owned:
+        self._owned = [(n, p) for n, p in self._stage_params if p.requires_grad]
+        self._device = self._stage_params[0][1].device if self._stage_params else torch.device("cpu")
+        for i, (_, p) in enumerate(self._owned):
             guard.mark(p, "pipeline")
+            p.register_post_accumulate_grad_hook(common.weak_hook(self, "_mark_used", i))
+        # Which trainable parameters received a gradient this step (see _drop_unused_grads).
+        self._used = torch.zeros(len(self._owned), device=self.dp_comm.device)
+        self._had_grad: list[bool] = []
         self._tie_comms = self._tie_groups(module)
         self._free_others(module)
         self._install_hooks(module)
@@ -221,6 +261,9 @@ class Pipeline(common.Wrapper):
         self._specs: dict[str, Any] = {}  # stand-in name -> the output spec of the micro-batch at hand
         self._mb: _Microbatch | None = None
         self._loss_scale: torch.Tensor | None = None  # fp16's, for the step at hand
+        self._forward_only = False  # eval_step's schedule at hand
+        self._microbatch = 0  # the micro-batch at hand
+        self._first_crossing: boundary.Crossing | None = None  # micro-batch 0's, at the next boundary
         clip.install()
 
     # -- setup -----------------------------------------------------------------------------------
@@ -255,8 +298,8 @@ class Pipeline(common.Wrapper):
         s, bounds = self.stage, self.plan.boundaries
         weak = common.weak_hook
         if s > 0:
-            boundary = module.get_submodule(bounds[s - 1])
-            boundary.register_forward_pre_hook(weak(self, "_substitute"), with_kwargs=True)
+            first = module.get_submodule(bounds[s - 1])
+            first.register_forward_pre_hook(weak(self, "_substitute"), with_kwargs=True)
             for name in self.plan.stand_ins[s]:
                 sub = module.get_submodule(name)
                 sub.forward = weak(self, "_stand_in", name)
@@ -287,25 +330,25 @@ class Pipeline(common.Wrapper):
     # -- the boundaries ------------------------------------------------------------------------
     def _substitute(self, _module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
         assert self._mb is not None
-        leaves, spec = pytree.tree_flatten((args, kwargs))
-        slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-        received = self._mb.received
-        if len(slots) != len(received):
-            raise RuntimeError(
-                f"pipeline stage {self.stage}: boundary {self.plan.boundaries[self.stage - 1]} is called "
-                f"with {len(slots)} tensors here but {len(received)} on stage {self.stage - 1}"
-            )
-        for i, t in zip(slots, received, strict=True):
-            leaves[i] = t
-        new_args, new_kwargs = pytree.tree_unflatten(leaves, spec)
-        return new_args, new_kwargs
+        name = self.plan.boundaries[self.stage - 1]
+        return boundary.substitute(name, self.stage, args, kwargs, self._mb.received, self._mb.header)
 
     def _capture(self, _module: nn.Module, args: Any, kwargs: Any) -> None:
         assert self._mb is not None and self.next_rank is not None
-        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        name = self.plan.boundaries[self.stage]
+        crossing = boundary.capture(name, args, kwargs)
+        if self._first_crossing is None:
+            self._first_crossing = crossing
+        else:
+            boundary.check_constants(name, self._first_crossing, crossing, self._microbatch)
         specs = {n: self._specs[n] for n in self.plan.stand_ins[self.stage + 1] if n in self._specs}
-        self._mb.outgoing, self._mb.outgoing_specs = tensors, specs
-        self._mb.sent = [t for t in tensors if t.requires_grad]
+        self._mb.outgoing = crossing.tensors
+        self._mb.outgoing_header = {
+            "specs": specs,
+            "constants": crossing.constants,
+            "layout": crossing.layout,
+        }
+        self._mb.sent = [t for t in crossing.tensors if t.requires_grad]
         raise _StageDone
 
     # -- the module interface -------------------------------------------------------------------
@@ -316,13 +359,13 @@ class Pipeline(common.Wrapper):
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
     ) -> Iterator[tuple[str, nn.Parameter]]:
         pre = prefix + "." if prefix else ""
-        for name, p in self._owned:
+        for name, p in self._stage_params:
             yield pre + name, p
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
         """This stage's parameters and persistent buffers under their original names (the whole
         model: full_state_dict)."""
-        out: dict[str, Any] = {name: p.detach() for name, p in self._owned}
+        out: dict[str, Any] = {name: p.detach() for name, p in self._stage_params}
         for name, b in common.persistent_buffers(self.module).items():
             if self.plan.buffer_owner.get(name) == self.stage:
                 out[name] = b.detach()
@@ -387,12 +430,18 @@ class Pipeline(common.Wrapper):
         scaled, and scaler.step(optimizer) unscales them. It must be a ShardedGradScaler over the
         whole world: whether any gradient overflowed must be agreed on by every stage and replica,
         or some would skip a step that others take, and their scales would part."""
+        if not torch.is_grad_enabled():
+            # Every stage raises here, before any message: none is left waiting for another.
+            raise RuntimeError(
+                "pipeline: step() trains, and runs under torch.no_grad() (or inference_mode) here; for a "
+                "forward-only pass (evaluation) call pipe.eval_step(inputs, targets) instead"
+            )
         start = time.perf_counter()
         self.last_step_busy_s = 0.0
         self._loss_scale = self._scale_of(scaler)
         self._prepare_grads()
         self.meter.live = self.meter.peak = 0
-        loss, per_microbatch = self._run_schedule(inputs, targets)
+        loss, per_microbatch, _ = self._run_schedule(inputs, targets, self.schedule)
         if per_microbatch:
             self.peak_live_microbatches = self.meter.peak / per_microbatch
         if self.replicas > 1:
@@ -404,10 +453,11 @@ class Pipeline(common.Wrapper):
                 comm.all_reduce_sum(p.grad)
                 if not first:
                     clip.mark(p.grad, clip.DUPLICATE)
+        self._drop_unused_grads()
         # The loss lives on the last stages: sum theirs over the world, average over replicas.
         self.comm.all_reduce_sum(loss)
         self.last_step_total_s = time.perf_counter() - start
-        return float(loss.item()) / self.replicas
+        return float(loss[0].item()) / self.replicas
 
     def _scale_of(self, scaler: torch.amp.GradScaler | None) -> torch.Tensor | None:
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
@@ -428,9 +478,51 @@ class Pipeline(common.Wrapper):
         # that scale no loss of their own (scaler.step() needs it).
         return scaler.scale(torch.ones((), device=self._device))
 
+    def eval_step(self, inputs: Any, targets: Any = None) -> tuple[float | None, Any]:
+        """A forward-only pass of this replica's batch, in micro-batches, without autograd: no
+        gradient, optimizer state or training-mode switch is touched, so it can run between two
+        training steps. Call it on every rank, as step(). Returns (loss, outputs): the mean loss
+        over the global batch on every rank (None where the model computes no loss: no targets,
+        no .loss), and on the last stage the model's outputs for this replica's batch (the
+        micro-batches' tensors concatenated along dim 0, scalars averaged; None elsewhere).
+        Dropout and the like follow the module's mode: call pipe.eval() first, as with torch."""
+        with torch.no_grad():
+            loss, _, outputs = self._run_schedule(inputs, targets, "forward")
+        self.comm.all_reduce_sum(loss)
+        count = float(loss[1].item())
+        mean = None if count == 0 else float(loss[0].item()) / self.replicas
+        return mean, _concat(outputs) if outputs else None
+
+    def _mark_used(self, index: int, _param: torch.Tensor) -> None:
+        self._used[index] = 1
+
+    def _drop_unused_grads(self) -> None:
+        """A parameter that received no gradient from any micro-batch on any replica of its stage
+        (frozen by the control flow, a mixture-of-experts' expert no token chose) gets None, as in
+        one process (an optimizer skips it: no weight decay, no moment update). The replicas agree
+        in one all-reduce of a flag per parameter, as torch DDP's find_unused_parameters does; so
+        do the stages sharing a tied parameter."""
+        if self.replicas > 1:
+            self.dp_comm.all_reduce_sum(self._used)
+        for comm, shared, _first in self._tie_comms:
+            ids = {id(p) for p in shared}
+            index = torch.tensor(
+                [i for i, (_, p) in enumerate(self._owned) if id(p) in ids], dtype=torch.long
+            )
+            if not len(index):
+                continue  # every shared parameter frozen: the same on each of these stages
+            flags = self._used[index]
+            comm.all_reduce_sum(flags)
+            self._used[index] = flags
+        for (_, p), used, had in zip(self._owned, self._used.tolist(), self._had_grad, strict=True):
+            if not used and not had:
+                p.grad = None
+
     def _prepare_grads(self) -> None:
         """Each parameter's .grad a view of the flat buffer, keeping what accumulated (torch's
         semantics: gradients add up until the user zeroes them)."""
+        self._used.zero_()
+        self._had_grad = [p.grad is not None for _, p in self._owned]
         for (_, p), view in zip(self._owned, self._grad_views, strict=True):
             if p.grad is None:
                 view.zero_()
@@ -439,34 +531,48 @@ class Pipeline(common.Wrapper):
             p.grad = view
             clip.mark(view, self.pp_comm)
 
-    def _run_schedule(self, inputs: Any, targets: Any) -> tuple[torch.Tensor, int]:
+    def _run_schedule(self, inputs: Any, targets: Any, schedule: str) -> tuple[torch.Tensor, int, list[Any]]:
+        """The step's actions and messages. Returns the sum of this stage's micro-batch losses and
+        how many it computed (a float64 pair), the bytes a micro-batch's forward saved, and (on
+        the last stage of a forward-only schedule) each micro-batch's output."""
         M = self.microbatches
         micro_inputs = _chunks(inputs, M, "microbatches")
         micro_targets = _chunks(targets, M, "microbatches") if targets is not None else [None] * M
         state: dict[int, _Microbatch] = {}
         self._header_sends: list[Any] = []
-        loss_sum = torch.zeros(1, dtype=torch.float64, device=self.comm.device)
+        self._forward_only = schedule == "forward"
+        self._first_crossing = None
+        loss_sum = torch.zeros(2, dtype=torch.float64, device=self.comm.device)
         per_microbatch = 0
-        for step in exchanges(self.schedule, self.stage, self.stages, M):
-            self._exchange(step.exchange, state)
+        outputs: list[Any] = []
+        for step in exchanges(schedule, self.stage, self.stages, M):
+            with abort.guard():  # a peer that failed: GangAborted naming it, not gloo's words
+                self._exchange(step.exchange, state)
             if step.action is None:
                 continue
-            m = step.action.microbatch
+            m = self._microbatch = step.action.microbatch
             mb = state.setdefault(m, _Microbatch())
             if step.action.kind == "F":
                 before = self.meter.live
-                self._forward(mb, micro_inputs[m], micro_targets[m])
+                try:
+                    self._forward(mb, micro_inputs[m], micro_targets[m])
+                except boundary.CrossingError as err:
+                    self._send_error(str(err))  # the next stage waits for this micro-batch
+                    raise
                 per_microbatch = per_microbatch or self.meter.live - before
                 if mb.loss is not None:
-                    loss_sum += mb.loss.detach().to(loss_sum)
+                    loss_sum += torch.stack([mb.loss.detach().to(loss_sum), torch.ones_like(loss_sum[0])])
+                if self._forward_only and self.next_rank is None:
+                    outputs.append(mb.output)
+                    del state[m]
             else:
                 self._backward(mb)
                 if self.prev_rank is None:
                     del state[m]  # nothing to send back
         for work in self._header_sends:
             work.wait()
-        self._checked_stand_ins = True
-        return loss_sum, per_microbatch
+        self._checked_stand_ins = self._checked_stand_ins or not self._forward_only
+        return loss_sum, per_microbatch, outputs
 
     def _exchange(self, ops: list[P2P], state: dict[int, _Microbatch]) -> None:
         """One batch of messages (schedule.exchanges). The headers of this batch's activations go
@@ -479,10 +585,13 @@ class Pipeline(common.Wrapper):
                 continue
             mb, peer = state[op.microbatch], base + op.peer
             if op.kind == "F":
-                extra = {"specs": mb.outgoing_specs}
-                self._header_sends += wire.send_header(self.control_comm, mb.outgoing, extra, peer)
+                self._header_sends += wire.send_header(
+                    self.control_comm, mb.outgoing, mb.outgoing_header, peer
+                )
                 sends += [(t, peer) for t in mb.outgoing]
                 mb.outgoing = []
+                if self._forward_only:
+                    del state[op.microbatch]  # no backward: this is its last message
             else:
                 sends += [(g, peer) for g in mb.grads_out]
                 del state[op.microbatch]  # its backward is done, and this is its last message
@@ -491,22 +600,35 @@ class Pipeline(common.Wrapper):
             peer = base + op.peer
             if op.op == "recv" and op.kind == "F":
                 mb = state[op.microbatch] = _Microbatch()
-                mb.received, requires_grad, extra = wire.recv_header(self.control_comm, peer, self._device)
-                mb.specs = extra["specs"]
+                mb.received, requires_grad, mb.header = wire.recv_header(
+                    self.control_comm, peer, self._device
+                )
+                if "error" in mb.header:  # the previous stage raised instead of sending
+                    self._send_error(mb.header["error"])
+                    raise RuntimeError(f"pipeline stage {self.stage}: {mb.header['error']}")
                 flags.append((mb, requires_grad))
                 recvs += [(t, peer) for t in mb.received]
             elif op.op == "recv":
                 mb = state[op.microbatch]
-                mb.grads_in = [torch.empty_like(t) for t in mb.sent]
+                # Dense, whatever the activation's strides (T5's position bias is a transposed
+                # view): a receive needs a contiguous tensor.
+                mb.grads_in = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in mb.sent]
                 recvs += [(g, peer) for g in mb.grads_in]
         wire.exchange(self.comm, sends, recvs)
         for mb, requires_grad in flags:
             for t, flag in zip(mb.received, requires_grad, strict=True):
                 t.requires_grad_(flag)
 
+    def _send_error(self, message: str) -> None:
+        """Tell the next stage, waiting for an activation's header, that this stage raises
+        `message` instead: it raises too, and tells the stage after it."""
+        if self.next_rank is not None:
+            for work in wire.send_header(self.control_comm, [], {"error": message}, self.next_rank):
+                work.wait()
+
     def _forward(self, mb: _Microbatch, inputs: Any, targets: Any) -> None:
         self._mb = mb
-        self._specs.update(mb.specs)
+        self._specs.update(mb.header.get("specs", {}))
         t0 = time.perf_counter()
         saving = torch.autograd.graph.saved_tensors_hooks(self.meter.pack, self.meter.unpack)
         try:
@@ -517,6 +639,10 @@ class Pipeline(common.Wrapper):
                         f"pipeline stage {self.stage}: the forward ended without calling boundary "
                         f"{self.plan.boundaries[self.stage]}; split at modules the forward calls"
                     )
+                if self._forward_only:
+                    mb.output = output
+                    if targets is None and _own_loss(output) is None:
+                        return  # nothing to compute a loss from: eval_step returns None
                 mb.loss = self.loss_fn(output, targets) / self.microbatches
         except _StageDone:
             pass
@@ -553,7 +679,7 @@ class Pipeline(common.Wrapper):
 
     def local_shards(self) -> list[LocalShard]:
         out = []
-        for name, p in self._owned:
+        for name, p in self._stage_params:
             shard = LocalShard.replicated(name, p, self.dp_comm.rank, self.dp_comm.size)
             if not self._writes(p):
                 shard = LocalShard(name, p, tuple(p.shape), 0, (0, 0))
@@ -575,7 +701,7 @@ class Pipeline(common.Wrapper):
         """The plain model's state dict, gathered from every stage (see state_dict.py)."""
         mine: dict[str, torch.Tensor] = {}
         if self.replica == 0:
-            for name, p in self._owned:
+            for name, p in self._stage_params:
                 if self._writes(p):
                     mine[name] = p.detach().cpu().clone()
             for name, b in common.persistent_buffers(self.module).items():
@@ -624,6 +750,9 @@ def pipeline(
     """Cut `model` into `stages` stages over the default process group (see the module docstring).
 
     split: the P-1 module names where stages 1..P-1 begin (None: balanced among the model's blocks).
+        Each must be called with tensors, tuples/lists/dicts of them and constants only (see
+        boundary.py); the first step checks the calls, an automatic split's included, and raises
+        on every stage naming the argument that cannot cross.
     microbatches: per replica per step; the replica's batch must split into that many equal parts.
         The idle share of a step (bubble) is (P-1)/(M+P-1).
     schedule: "gpipe" (all forwards, then all backwards) or "1f1b" (at most P micro-batches'

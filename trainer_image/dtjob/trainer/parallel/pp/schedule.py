@@ -6,7 +6,9 @@ GPipe: every forward, then every backward. Stage s holds all M micro-batches' ac
     drains the remaining backwards. A micro-batch's activations are freed by its backward, so
     stage s never holds more than P-s of them (at most P, instead of M).
 
-Both have the same bubble: (P-1) idle slots out of M+P-1 per stage, a fraction (P-1)/(M+P-1).
+"forward" (eval_step): every forward, no backward.
+
+GPipe and 1F1B have the same bubble: (P-1) idle slots out of M+P-1 per stage, a fraction (P-1)/(M+P-1).
 
 `exchanges` adds the point-to-point traffic: between two consecutive actions a stage sends what
 the first produced and receives what the second needs, all in one batch (see wire.py for why).
@@ -27,6 +29,8 @@ def schedule_actions(schedule: str, stage: int, stages: int, microbatches: int) 
         raise ValueError(f"stage {stage} is outside 0..{stages - 1}")
     forwards = [Action("F", m) for m in range(microbatches)]
     backwards = [Action("B", m) for m in range(microbatches)]
+    if schedule == "forward":
+        return forwards
     if schedule == "gpipe":
         return forwards + backwards
     if schedule != "1f1b":

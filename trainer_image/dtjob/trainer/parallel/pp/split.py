@@ -80,13 +80,21 @@ def plan(model: nn.Module, boundaries: Sequence[str]) -> StagePlan:
     return StagePlan(list(boundaries), stage_of_module, owners, buffer_owner, stand_ins)
 
 
+# How to choose a split by hand: every error about a split's choice ends with it.
+SPLIT_HOWTO = (
+    "pass pipeline(..., split=[name, ...]): the P-1 submodule names (as model.named_modules() "
+    "lists them) where stages 1..P-1 begin, each called with tensors or tuples/lists/dicts of "
+    "tensors (and constants) only"
+)
+
+
 def auto_split(model: nn.Module, stages: int) -> list[str]:
     """P-1 boundaries among the model's blocks, balancing parameters per stage."""
     blocks = common.blocks_in_order(model) or common.repeated_blocks(model)
     if not blocks:
         raise ValueError(
-            f"pipeline: cannot find the blocks of {type(model).__name__}; give split=[module names where "
-            "stages 1.. begin], or a blocks_in_order() method"
+            f"pipeline: cannot find the blocks of {type(model).__name__}; {SPLIT_HOWTO}, or give the "
+            "model a blocks_in_order() method"
         )
     names = common.module_names(model)
     block_names = [names[id(b)] for b in blocks]
@@ -101,16 +109,19 @@ def auto_split(model: nn.Module, stages: int) -> list[str]:
 
 
 def spec_of(value: object) -> object:
-    """The shapes and dtypes of a module's output: a tensor, or tuples/lists of them and None."""
+    """The shapes and dtypes of a module's output: a tensor, or tuples/lists/dicts (a Hugging Face
+    `ModelOutput` too) of them and None."""
     if isinstance(value, torch.Tensor):
         return ("tensor", tuple(value.shape), str(value.dtype).removeprefix("torch."))
     if isinstance(value, (tuple, list)):
         return ("seq", [spec_of(v) for v in value])
+    if isinstance(value, dict):  # kept with its class: a ModelOutput is rebuilt as one
+        return ("map", type(value), {k: spec_of(v) for k, v in value.items()})
     if value is None:
         return ("none",)
     raise TypeError(
         f"pipeline: a module before a stage boundary returned {type(value).__name__}; stand-ins can "
-        "only reproduce tensors, tuples and lists of them"
+        "only reproduce tensors, tuples, lists and dicts of them"
     )
 
 
@@ -124,4 +135,6 @@ def zeros_of(spec: object, device: torch.device) -> object:
         return torch.zeros(shape, dtype=dt, device=device, requires_grad=dt.is_floating_point)
     if spec[0] == "seq":
         return tuple(zeros_of(s, device) for s in spec[1])
+    if spec[0] == "map":
+        return spec[1](**{k: zeros_of(s, device) for k, s in spec[2].items()})
     return None
