@@ -32,7 +32,7 @@ def local_shards_of(model: nn.Module) -> tuple[list[LocalShard], list[LocalShard
     from dtjob.trainer.parallel.common import persistent_buffers
 
     params = [LocalShard.replicated(n, p, rank, size) for n, p in model.named_parameters()]
-    buffers = [LocalShard.replicated(n, b, rank, size) for n, b in persistent_buffers(model).items()]
+    buffers = [LocalShard.from_replica0(n, b, rank) for n, b in persistent_buffers(model).items()]
     return params, buffers
 
 

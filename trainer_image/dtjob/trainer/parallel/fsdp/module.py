@@ -66,6 +66,7 @@ class FullyShardedModule(common.Wrapper):
         units: list[nn.Module],
         prefetch: bool,
         mixed_precision: str | None,
+        broadcast_buffers: bool = True,
     ) -> None:
         super().__init__()
         self.module = module
@@ -73,8 +74,8 @@ class FullyShardedModule(common.Wrapper):
         self.stage = zero_stage
         self.prefetch = prefetch
         self.mixed_precision = mixed_precision
-        self._buffers_list = [b for b in module.buffers() if b is not None]
-        common.broadcast_from_rank0([*module.parameters(), *self._buffers_list], comm)
+        common.broadcast_from_rank0([*module.parameters(), *module.buffers()], comm)
+        self._buffer_broadcast = common.BufferBroadcast(module, comm, broadcast_buffers)
         self.units, self.block_units, self.root_unit = self._make_units(module, units)
         self._position = {u.index: i for i, u in enumerate(self.block_units)}
         self._reduce_order = [*reversed(self.block_units), *([self.root_unit] if self.root_unit else [])]
@@ -163,6 +164,8 @@ class FullyShardedModule(common.Wrapper):
     # -- the module interface -------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         grad = torch.is_grad_enabled()
+        # As torch's DDP broadcast_buffers=True: rank 0's buffers win (common.BufferBroadcast).
+        self._buffer_broadcast.before_forward(grad and self._sync)
         self._open_step(grad)
         try:
             with common.autocast(self.mixed_precision, self.units[0].device):
@@ -267,7 +270,7 @@ class FullyShardedModule(common.Wrapper):
 
     def local_buffers(self) -> list[LocalShard]:
         buffers = common.persistent_buffers(self.module)
-        return [LocalShard.replicated(n, b, self.comm.rank, self.comm.size) for n, b in buffers.items()]
+        return [LocalShard.from_replica0(n, b, self.comm.rank) for n, b in buffers.items()]
 
     def after_load(self) -> None:
         for unit in self.units:
@@ -514,6 +517,7 @@ def fully_shard(
     collective: str = "auto",
     mixed_precision: str | None = None,
     prefetch: bool = True,
+    broadcast_buffers: bool = True,
     group: Any = None,
 ) -> FullyShardedModule:
     """Shard `model`'s training state over `group` (default: the whole default process group).
@@ -525,6 +529,9 @@ def fully_shard(
     mixed_precision: None, "bf16" or "fp16": the forward runs under autocast; parameters,
         gradients and their reduction keep the parameters' dtype (fp32 master weights).
     prefetch: ZeRO-3 gathers the next unit while the current one computes.
+    broadcast_buffers: copy rank 0's buffers (BatchNorm's running statistics, ...) to every rank
+        before a forward, as torch's DDP: before the first, and before one that follows a training
+        forward (see common.BufferBroadcast). Checkpoints hold rank 0's buffers either way.
     Every rank passes an identically constructed model; rank 0's parameters are broadcast.
     """
     if not torch.distributed.is_initialized():
@@ -544,6 +551,7 @@ def fully_shard(
         units=chosen,
         prefetch=prefetch,
         mixed_precision=mixed_precision,
+        broadcast_buffers=broadcast_buffers,
     )
     if wrapped.comm.rank == 0:
         labels = [u.label for u in wrapped.block_units]

@@ -168,6 +168,7 @@ class Pipeline(common.Wrapper):
         loss_fn: LossFn,
         collective: str,
         mixed_precision: str | None,
+        broadcast_buffers: bool = True,
     ) -> None:
         super().__init__()
         world, rank = dist.get_world_size(), dist.get_rank()
@@ -201,6 +202,11 @@ class Pipeline(common.Wrapper):
         for _, p in self._owned:
             guard.mark(p, "pipeline")
         self._tie_comms = self._tie_groups(module)
+        # This stage's buffers, from replica 0 of the stage (its data-parallel group).
+        owner, stage = self.plan.buffer_owner, self.stage
+        self._buffer_broadcast = common.BufferBroadcast(
+            module, self.dp_comm, broadcast_buffers, lambda name: owner.get(name) == stage
+        )
         self._free_others(module)
         self._install_hooks(module)
 
@@ -391,6 +397,7 @@ class Pipeline(common.Wrapper):
         self.last_step_busy_s = 0.0
         self._loss_scale = self._scale_of(scaler)
         self._prepare_grads()
+        self._buffer_broadcast.before_forward(True)
         self.meter.live = self.meter.peak = 0
         loss, per_microbatch = self._run_schedule(inputs, targets)
         if per_microbatch:
@@ -563,7 +570,7 @@ class Pipeline(common.Wrapper):
     def local_buffers(self) -> list[LocalShard]:
         buffers = common.persistent_buffers(self.module)
         return [
-            LocalShard.replicated(n, b, self.dp_comm.rank, self.dp_comm.size)
+            LocalShard.from_replica0(n, b, self.dp_comm.rank)
             for n, b in buffers.items()
             if self.plan.buffer_owner.get(n) == self.stage
         ]
@@ -620,6 +627,7 @@ def pipeline(
     loss_fn: LossFn | None = None,
     collective: str = "auto",
     mixed_precision: str | None = None,
+    broadcast_buffers: bool = True,
 ) -> Pipeline:
     """Cut `model` into `stages` stages over the default process group (see the module docstring).
 
@@ -630,6 +638,9 @@ def pipeline(
         activations alive at once).
     loss_fn(output, targets) -> the mean loss of a micro-batch; default: the output's .loss, else
         cross-entropy of the logits.
+    broadcast_buffers: before each step() copy every stage's buffers (BatchNorm's running
+        statistics, ...) from replica 0 to the other replicas of that stage, as torch's DDP does
+        over its group; nothing to do without replicas. Checkpoints hold replica 0's buffers.
     """
     if not dist.is_initialized():
         raise RuntimeError("pipeline() needs torch.distributed.init_process_group() to be called first")
@@ -659,4 +670,5 @@ def pipeline(
         loss_fn=loss_fn or default_loss,
         collective=collective,
         mixed_precision=mixed_precision,
+        broadcast_buffers=broadcast_buffers,
     )
