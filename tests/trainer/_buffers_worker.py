@@ -5,8 +5,10 @@ spread, so every rank's slice gives BatchNorm other statistics and the ranks' ru
 part unless the wrapper makes them agree. A case is a dict:
 
     name, strategy ("ddp" | "zero1" | "zero2" | "zero3" | "pipeline": 2 stages, 2 micro-batches),
-    steps, sync_bn (convert to nn.SyncBatchNorm), save_to / load_from (a checkpoint directory:
-    TrainState's shards, every rank's file), broadcast_buffers (default True).
+    steps, sync_bn (True: nn.SyncBatchNorm.convert_sync_batchnorm(model); "world": with the
+    whole world as its group), save_to / load_from (a checkpoint directory: TrainState's shards,
+    every rank's file), broadcast_buffers (default: not passed), expect_error (the exception's
+    message is the result: {"raised": ...}).
 
 Every rank trains `steps` steps on its slice of global_batch(step), saves, evaluates EVAL_X in
 eval mode, and returns per case: its losses, its eval outputs (pipeline: the last stage's), and
@@ -90,19 +92,32 @@ def reference(steps: int, world: int, microbatches: int = 1) -> dict[str, Any]:
     return {"losses": losses, "eval": out, "buffers": dict(model.named_buffers())}
 
 
-def reference_global(steps: int) -> list[float]:
-    """One process on the whole global batch (what SyncBatchNorm over the ranks should give)."""
+def reference_global(steps: int, replicas: int = 1, microbatches: int = 1) -> dict[str, Any]:
+    """One process, BatchNorm over the rows of all `replicas` at once (what SyncBatchNorm over
+    them gives): micro-batch m of a step is every replica's m-th micro-batch together."""
     model = bn_net()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     losses = []
     for step in range(steps):
         x, y = global_batch(step)
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
+        parts = [
+            (xs.chunk(microbatches), ys.chunk(microbatches))
+            for xs, ys in zip(x.chunk(replicas), y.chunk(replicas), strict=True)
+        ]
+        total = 0.0
+        for m in range(microbatches):
+            xm = torch.cat([px[m] for px, _ in parts])
+            ym = torch.cat([py[m] for _, py in parts])
+            loss = F.cross_entropy(model(xm), ym) / microbatches
+            loss.backward()
+            total += float(loss.detach())
         optimizer.step()
         optimizer.zero_grad()
-        losses.append(float(loss.detach()))
-    return losses
+        losses.append(total)
+    model.eval()
+    with torch.no_grad():
+        out = model(EVAL_X)
+    return {"losses": losses, "eval": out, "buffers": dict(model.named_buffers())}
 
 
 class _Recorder:
@@ -150,7 +165,8 @@ def _run_case(case: dict[str, Any]) -> dict[str, Any]:
 
     model = bn_net()
     if case.get("sync_bn"):
-        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        group = dist.group.WORLD if case["sync_bn"] == "world" else None
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model, group)
     recorder = _Recorder()
     wrapped = _wrap(model, case, recorder)
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=LR, momentum=0.9)
@@ -194,7 +210,10 @@ def _worker(rank: int, world: int, cases: list[dict[str, Any]], out_dir: str) ->
     for case in cases:
         try:
             results[case["name"]] = _run_case(case)
-        except Exception:
+        except Exception as e:
+            if case.get("expect_error"):  # raised on every rank alike: the group is in step
+                results[case["name"]] = {"raised": f"{type(e).__name__}: {e}"}
+                continue
             results[case["name"]] = {"error": traceback.format_exc()}
             break  # the group may be out of step now
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))

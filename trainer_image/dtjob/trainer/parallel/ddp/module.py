@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dtjob.trainer.parallel import common
+from dtjob.trainer.parallel import common, syncbn
 from dtjob.trainer.parallel.comm import Comm
 from dtjob.trainer.parallel.ddp.buckets import Bucket, MiB, assign_buckets, make_bucket
 from dtjob.trainer.parallel.shards import LocalShard
@@ -66,6 +66,7 @@ class DataParallel(common.Wrapper):
         self._named = {n: p for n, p in module.named_parameters() if p.requires_grad}
         common.broadcast_from_rank0([*module.parameters(), *module.buffers()], comm)
         self._buffer_broadcast = common.BufferBroadcast(module, comm, broadcast_buffers)
+        syncbn.bind_sync_batchnorms(module, comm, "data_parallel")
         self._device = next(iter(self._named.values())).device if self._named else torch.device("cpu")
 
         reverse = list(reversed(list(self._named.values())))

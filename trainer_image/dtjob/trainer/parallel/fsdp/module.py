@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dtjob.trainer.parallel import clip, common, guard
+from dtjob.trainer.parallel import clip, common, guard, syncbn
 from dtjob.trainer.parallel.comm import Comm, Handle
 from dtjob.trainer.parallel.fsdp.flat import FlatUnit
 from dtjob.trainer.parallel.shards import LocalShard
@@ -76,6 +76,7 @@ class FullyShardedModule(common.Wrapper):
         self.mixed_precision = mixed_precision
         common.broadcast_from_rank0([*module.parameters(), *module.buffers()], comm)
         self._buffer_broadcast = common.BufferBroadcast(module, comm, broadcast_buffers)
+        syncbn.bind_sync_batchnorms(module, comm, "fully_shard")
         self.units, self.block_units, self.root_unit = self._make_units(module, units)
         self._position = {u.index: i for i, u in enumerate(self.block_units)}
         self._reduce_order = [*reversed(self.block_units), *([self.root_unit] if self.root_unit else [])]

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from dtjob.trainer.parallel import clip, common, guard
+from dtjob.trainer.parallel import clip, common, guard, syncbn
 from dtjob.trainer.parallel.comm import Comm, control_group, new_group
 from dtjob.trainer.parallel.pp import wire
 from dtjob.trainer.parallel.pp.schedule import P2P, exchanges
@@ -207,6 +207,7 @@ class Pipeline(common.Wrapper):
         self._buffer_broadcast = common.BufferBroadcast(
             module, self.dp_comm, broadcast_buffers, lambda name: owner.get(name) == stage
         )
+        syncbn.bind_sync_batchnorms(module, self.dp_comm, "pipeline")
         self._free_others(module)
         self._install_hooks(module)
 
