@@ -8,7 +8,8 @@ part unless the wrapper makes them agree. A case is a dict:
     steps, sync_bn (True: nn.SyncBatchNorm.convert_sync_batchnorm(model); "world": with the
     whole world as its group), save_to / load_from (a checkpoint directory: TrainState's shards,
     every rank's file), broadcast_buffers (default: not passed), expect_error (the exception's
-    message is the result: {"raised": ...}).
+    message is the result: {"raised": ...}), timing (count the broadcasts of a sequence of
+    forwards instead: {"broadcasts": [...]}).
 
 Every rank trains `steps` steps on its slice of global_batch(step), saves, evaluates EVAL_X in
 eval mode, and returns per case: its losses, its eval outputs (pipeline: the last stage's), and
@@ -159,7 +160,38 @@ def _evaluate(wrapped: Any, case: dict[str, Any], recorder: _Recorder) -> torch.
         wrapped.train()
 
 
+def _broadcast_timing(case: dict[str, Any]) -> list[int]:
+    """How many forwards had broadcast buffers after each of: a training forward and backward, two
+    no_grad forwards, training, training under no_sync, training, a training forward."""
+    recorder = _Recorder()
+    wrapped = _wrap(bn_net(), case, recorder)
+    x, y = global_batch(0, 4)
+    counts = []
+
+    def train() -> None:
+        F.cross_entropy(wrapped(x), y).backward()
+        counts.append(wrapped._buffer_broadcast.broadcasts)
+
+    def no_grad() -> None:
+        with torch.no_grad():
+            wrapped(x)
+        counts.append(wrapped._buffer_broadcast.broadcasts)
+
+    train()
+    no_grad()
+    no_grad()
+    train()
+    with wrapped.no_sync():
+        train()
+    train()
+    wrapped(x)
+    counts.append(wrapped._buffer_broadcast.broadcasts)
+    return counts
+
+
 def _run_case(case: dict[str, Any]) -> dict[str, Any]:
+    if case.get("timing"):
+        return {"broadcasts": _broadcast_timing(case)}
     from dtjob.trainer.train_state import TrainState
     from tests.trainer._parallel_harness import _load_checkpoint, _shards_to_plain
 

@@ -42,6 +42,7 @@ def trained(checkpoints: Path) -> dict[str, Results]:
         {"name": f"sync-{s}", "strategy": s, "steps": STEPS, "sync_bn": True}
         for s in ("ddp", "zero1", "zero3")
     ]
+    two += [{"name": f"timing-{s}", "strategy": s, "timing": True} for s in ("ddp", "zero1", "zero3")]
     four = [
         {
             "name": "pipeline",
@@ -152,3 +153,14 @@ def test_sync_batchnorm_over_another_group_is_refused_naming_the_alternative(
         message = r["sync-pipeline-world"]["raised"]
         assert message.startswith("NotSupported: pipeline: SyncBatchNorm")
         assert "convert_sync_batchnorm(model) (no process_group)" in message
+
+
+@pytest.mark.parametrize("name", ["timing-ddp", "timing-zero1", "timing-zero3"])
+def test_buffers_broadcast_before_the_forwards_torch_ddp_does(trained: dict[str, Results], name: str) -> None:
+    # train, no_grad, no_grad, train, train under no_sync, train, train: torch's DDP broadcasts
+    # before the first forward and before one that follows a forward whose gradients it reduces
+    # (require_forward_param_sync), so before forwards 1, 2, 5 and 7. ZeRO-2/3 reduce every
+    # backward, no_sync included, so they broadcast before forward 6 too.
+    expected = [1, 2, 2, 2, 3, 4, 5] if name == "timing-zero3" else [1, 2, 2, 2, 3, 3, 4]
+    for r in trained[name]:
+        assert r[name]["broadcasts"] == expected
