@@ -23,7 +23,8 @@ from dtjob.trainer.parallel.shards import FetchRange, FlatShard, LocalShard
 
 def local_shards_of(model: nn.Module) -> tuple[list[LocalShard], list[LocalShard]]:
     """(parameters, buffers) as local shards: a dtjob wrapper says where its pieces sit; a plain
-    module is replicated on every rank of the world."""
+    module is replicated on every rank of the world (rank 0 writes the buffers, which ranks may
+    hold differently: BatchNorm's statistics)."""
     shards = getattr(model, "local_shards", None)
     if callable(shards):
         return shards(), model.local_buffers()  # type: ignore[operator]
