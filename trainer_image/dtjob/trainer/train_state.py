@@ -23,7 +23,8 @@ from dtjob.trainer.parallel.shards import FetchRange, FlatShard, LocalShard
 
 def local_shards_of(model: nn.Module) -> tuple[list[LocalShard], list[LocalShard]]:
     """(parameters, buffers) as local shards: a dtjob wrapper says where its pieces sit; a plain
-    module is replicated on every rank of the world."""
+    module is replicated on every rank of the world (rank 0 writes the buffers, which ranks may
+    hold differently: BatchNorm's statistics)."""
     shards = getattr(model, "local_shards", None)
     if callable(shards):
         return shards(), model.local_buffers()  # type: ignore[operator]
@@ -32,7 +33,7 @@ def local_shards_of(model: nn.Module) -> tuple[list[LocalShard], list[LocalShard
     from dtjob.trainer.parallel.common import persistent_buffers
 
     params = [LocalShard.replicated(n, p, rank, size) for n, p in model.named_parameters()]
-    buffers = [LocalShard.replicated(n, b, rank, size) for n, b in persistent_buffers(model).items()]
+    buffers = [LocalShard.from_replica0(n, b, rank) for n, b in persistent_buffers(model).items()]
     return params, buffers
 
 

@@ -12,7 +12,11 @@ one wrapper at one world size loads into another at another (the pipeline needs 
 
 Layout: comm.py (the data path: dtjob collectives or native), common.py (shared pieces),
 clip.py (gradient norms over shards), ddp/, fsdp/ (ZeRO 1/2/3), pp/ (pipeline: GPipe, 1F1B, DP x PP),
-state_dict.py (full_state_dict).
+state_dict.py (full_state_dict), syncbn.py (nn.SyncBatchNorm over a wrapper's replica group).
+
+Buffers (BatchNorm's running statistics) are rank 0's of each replica group: broadcast before a
+forward as torch's DDP does (`broadcast_buffers=True`, common.BufferBroadcast), and a checkpoint
+holds rank 0's.
 
 Limits: ZeRO gives the single-process result for elementwise optimizers (SGD, Adam, AdamW, ...),
 since each rank updates its own pieces of the parameters; every rank's forward must call the same

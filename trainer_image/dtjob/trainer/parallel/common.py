@@ -207,6 +207,43 @@ def broadcast_from_rank0(tensors: list[torch.Tensor], comm: Comm) -> None:
                 offset += t.numel()
 
 
+class BufferBroadcast:
+    """`broadcast_buffers=True` as torch's DDP does it: before a forward, the buffers (BatchNorm's
+    running statistics, ...) of rank 0 of `comm`'s group are copied to every member, in one
+    broadcast per dtype.
+
+    When, as torch's DDP (its require_forward_param_sync): before the first forward, and before a
+    forward that follows one run with gradients enabled whose gradients are reduced (not under
+    no_sync). So the first forward of an evaluation (torch.no_grad) after training broadcasts, the
+    following ones do not (eval-mode BatchNorm changes no buffer), and neither does the forward
+    after a no_sync one. `wanted(name)` picks the buffers (a pipeline stage: its own); the list is
+    read again each time, since a model may reassign a buffer."""
+
+    def __init__(
+        self, module: nn.Module, comm: Comm, enabled: bool, wanted: Callable[[str], bool] | None = None
+    ) -> None:
+        self.module = module
+        self.comm = comm
+        self.enabled = enabled
+        self.wanted = wanted
+        self._due = True
+        self.broadcasts = 0  # forwards that broadcast, for tests and logs
+
+    def before_forward(self, reduces_gradients: bool) -> None:
+        """Call at the start of a forward; `reduces_gradients`: this forward's backward will reduce
+        gradients across the group (grad enabled and not under no_sync)."""
+        due, self._due = self._due, reduces_gradients
+        if not (due and self.enabled and self.comm.size > 1):
+            return
+        buffers = [b for n, b in self.module.named_buffers() if self.wanted is None or self.wanted(n)]
+        if buffers:
+            # Unlike torch's DDP, the copy bumps the buffers' version counters: a graph that saved
+            # one (eval-mode BatchNorm) and has not run its backward yet raises in backward
+            # rather than silently using the overwritten values.
+            broadcast_from_rank0(buffers, self.comm)
+            self.broadcasts += 1
+
+
 def queue_after_backward(callback: Callable[[], None]) -> None:
     """Run `callback` once the current backward pass has finished (from inside a backward hook),
     before `loss.backward()` returns: how torch's DDP finishes its reduction."""

@@ -41,6 +41,13 @@ class LocalShard:
         """A whole tensor that `replicas` ranks hold alike; replica `replica` writes its split."""
         return cls(name, tensor, tuple(tensor.shape), 0, split_range(tensor.numel(), replica, replicas))
 
+    @classmethod
+    def from_replica0(cls, name: str, tensor: torch.Tensor, replica: int) -> LocalShard:
+        """A whole tensor that replicas may hold differently (a buffer such as BatchNorm's running
+        statistics, updated by each rank's own batches): replica 0 writes all of it, so a
+        checkpoint holds one rank's values, those the next forward would broadcast."""
+        return cls(name, tensor, tuple(tensor.shape), 0, (0, tensor.numel() if replica == 0 else 0))
+
 
 @dataclass(frozen=True)
 class FlatShard:
@@ -71,7 +78,7 @@ class Sharded(Protocol):
         ...
 
     def local_buffers(self) -> list[LocalShard]:
-        """This rank's persistent buffers."""
+        """This rank's persistent buffers; replica 0 of each replica group writes them."""
         ...
 
     def after_load(self) -> None:

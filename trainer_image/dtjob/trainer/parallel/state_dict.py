@@ -10,6 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from dtjob.trainer.parallel import common
+from dtjob.trainer.parallel.comm import Comm
 from dtjob.trainer.parallel.ddp import DataParallel
 from dtjob.trainer.parallel.fsdp import FullyShardedModule
 
@@ -28,8 +30,18 @@ def _keys_to_tensors(module: nn.Module) -> list[tuple[str, int]]:
     return keys
 
 
+def _rank0_buffers(module: nn.Module, comm: Comm) -> dict[int, torch.Tensor]:
+    """id(buffer) -> rank 0's value of it, on the CPU (collective over `comm`): each rank's forward
+    updates its own buffers (BatchNorm's statistics), and every rank must return the same dict."""
+    buffers = [b for b in module.buffers() if b is not None]
+    copies = [b.detach().clone() for b in buffers]
+    common.broadcast_from_rank0(copies, comm)
+    return {id(b): c.cpu() for b, c in zip(buffers, copies, strict=True)}
+
+
 def _sharded(wrapped: FullyShardedModule, rank0_only: bool) -> dict[str, torch.Tensor]:
     full_of: dict[int, torch.Tensor] = {}  # id(full parameter) -> its gathered value on the CPU
+    buffers = {} if rank0_only else _rank0_buffers(wrapped.module, wrapped.comm)
     wrapped._sync_params()
     for unit in wrapped.units:
         if wrapped.stage == 3:
@@ -53,6 +65,8 @@ def _sharded(wrapped: FullyShardedModule, rank0_only: bool) -> dict[str, torch.T
             full = back.get(tid)
             if full is not None:
                 out[key] = full_of[id(full)]
+            elif tid in buffers:
+                out[key] = buffers[tid]
             else:  # frozen parameters and buffers: replicated, whole on every rank
                 out[key] = tensors[tid].detach().cpu().clone()
     return out
@@ -70,4 +84,10 @@ def full_state_dict(wrapped: nn.Module, *, rank0_only: bool = True) -> dict[str,
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     if rank0_only and rank != 0:
         return {}
-    return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+    out = {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+    if isinstance(wrapped, DataParallel) and not rank0_only:
+        buffers = _rank0_buffers(module, wrapped.comm)
+        for key, tid in _keys_to_tensors(module):
+            if tid in buffers:
+                out[key] = buffers[tid]
+    return out

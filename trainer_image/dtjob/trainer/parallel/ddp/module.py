@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dtjob.trainer.parallel import common
+from dtjob.trainer.parallel import common, syncbn
 from dtjob.trainer.parallel.comm import Comm
 from dtjob.trainer.parallel.ddp.buckets import Bucket, MiB, assign_buckets, make_bucket
 from dtjob.trainer.parallel.shards import LocalShard
@@ -66,11 +66,11 @@ class DataParallel(common.Wrapper):
         self.module = module
         self.comm = comm
         self.grad_compression = grad_compression
-        self.broadcast_buffers = broadcast_buffers
         self.mixed_precision = mixed_precision
         self._named = {n: p for n, p in module.named_parameters() if p.requires_grad}
-        self._buffers_to_sync = [b for b in module.buffers() if b is not None]
-        common.broadcast_from_rank0([*module.parameters(), *self._buffers_to_sync], comm)
+        common.broadcast_from_rank0([*module.parameters(), *module.buffers()], comm)
+        self._buffer_broadcast = common.BufferBroadcast(module, comm, broadcast_buffers)
+        syncbn.bind_sync_batchnorms(module, comm, "data_parallel")
         self._device = next(iter(self._named.values())).device if self._named else torch.device("cpu")
 
         reverse = list(reversed(list(self._named.values())))
@@ -96,13 +96,22 @@ class DataParallel(common.Wrapper):
 
     # -- the module interface -------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.broadcast_buffers and self._buffers_to_sync:
-            # Like torch's DDP: rank 0's buffers (e.g. BatchNorm statistics) win before each forward.
-            common.broadcast_from_rank0(self._buffers_to_sync, self.comm)
-        if torch.is_grad_enabled():
+        grad = torch.is_grad_enabled()
+        # Like torch's DDP: rank 0's buffers (e.g. BatchNorm statistics) win (common.BufferBroadcast).
+        self._buffer_broadcast.before_forward(grad and self._sync)
+        if grad:
             self._prepare_backward()
         with common.autocast(self.mixed_precision, self._device):
             return self.module(*args, **kwargs)
+
+    @property
+    def broadcast_buffers(self) -> bool:
+        """Whether rank 0's buffers are broadcast before forwards (settable, as on torch's DDP)."""
+        return self._buffer_broadcast.enabled
+
+    @broadcast_buffers.setter
+    def broadcast_buffers(self, value: bool) -> None:
+        self._buffer_broadcast.enabled = bool(value)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -162,7 +171,7 @@ class DataParallel(common.Wrapper):
 
     def local_buffers(self) -> list[LocalShard]:
         buffers = common.persistent_buffers(self.module)
-        return [LocalShard.replicated(n, b, self.comm.rank, self.comm.size) for n, b in buffers.items()]
+        return [LocalShard.from_replica0(n, b, self.comm.rank) for n, b in buffers.items()]
 
     def after_load(self) -> None:
         pass
@@ -278,7 +287,9 @@ def data_parallel(
     bucket_mb / first_bucket_mb: gradient bucket caps in MiB (torch's DDP defaults).
     grad_compression: "bf16" or "fp16" halves the bytes on the wire; "none" sends the gradients'
         own dtype.
-    broadcast_buffers: copy rank 0's buffers to every rank before each forward (torch's default).
+    broadcast_buffers: copy rank 0's buffers (BatchNorm's running statistics, ...) to every rank
+        before a forward, as torch's DDP: before the first, and before one that follows a training
+        forward (see common.BufferBroadcast). Checkpoints hold rank 0's buffers either way.
     Unused parameters need no flag: those no rank got a gradient for keep `.grad = None` (see the
     module docstring).
     mixed_precision: None, "bf16" or "fp16": the forward runs under autocast; weights, gradients

@@ -54,7 +54,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dtjob.trainer.parallel import clip, common, guard
+from dtjob.trainer.parallel import clip, common, guard, syncbn
 from dtjob.trainer.parallel.comm import Comm, Handle
 from dtjob.trainer.parallel.fsdp.flat import FlatUnit
 from dtjob.trainer.parallel.fsdp.grad_flags import GradFlags
@@ -76,6 +76,7 @@ class FullyShardedModule(Unsharding, common.Wrapper):
         units: list[nn.Module],
         prefetch: bool,
         mixed_precision: str | None,
+        broadcast_buffers: bool = True,
     ) -> None:
         super().__init__()
         self.module = module
@@ -83,8 +84,9 @@ class FullyShardedModule(Unsharding, common.Wrapper):
         self.stage = zero_stage
         self.prefetch = prefetch
         self.mixed_precision = mixed_precision
-        self._buffers_list = [b for b in module.buffers() if b is not None]
-        common.broadcast_from_rank0([*module.parameters(), *self._buffers_list], comm)
+        common.broadcast_from_rank0([*module.parameters(), *module.buffers()], comm)
+        self._buffer_broadcast = common.BufferBroadcast(module, comm, broadcast_buffers)
+        syncbn.bind_sync_batchnorms(module, comm, "fully_shard")
         self.units, self.block_units, self.root_unit = self._make_units(module, units)
         self._position = {u.index: i for i, u in enumerate(self.block_units)}
         self._reduce_order = [*reversed(self.block_units), *([self.root_unit] if self.root_unit else [])]
@@ -178,6 +180,8 @@ class FullyShardedModule(Unsharding, common.Wrapper):
     # -- the module interface -------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         grad = torch.is_grad_enabled()
+        # As torch's DDP broadcast_buffers=True: rank 0's buffers win (common.BufferBroadcast).
+        self._buffer_broadcast.before_forward(grad and self._sync)
         self._open_step(grad)
         try:
             with common.autocast(self.mixed_precision, self.units[0].device):
@@ -276,7 +280,7 @@ class FullyShardedModule(Unsharding, common.Wrapper):
 
     def local_buffers(self) -> list[LocalShard]:
         buffers = common.persistent_buffers(self.module)
-        return [LocalShard.replicated(n, b, self.comm.rank, self.comm.size) for n, b in buffers.items()]
+        return [LocalShard.from_replica0(n, b, self.comm.rank) for n, b in buffers.items()]
 
     def after_load(self) -> None:
         for unit in self.units:
@@ -534,6 +538,7 @@ def fully_shard(
     collective: str = "auto",
     mixed_precision: str | None = None,
     prefetch: bool = True,
+    broadcast_buffers: bool = True,
     group: Any = None,
 ) -> FullyShardedModule:
     """Shard `model`'s training state over `group` (default: the whole default process group).
@@ -545,6 +550,9 @@ def fully_shard(
     mixed_precision: None, "bf16" or "fp16": the forward runs under autocast; parameters,
         gradients and their reduction keep the parameters' dtype (fp32 master weights).
     prefetch: ZeRO-3 gathers the next unit while the current one computes.
+    broadcast_buffers: copy rank 0's buffers (BatchNorm's running statistics, ...) to every rank
+        before a forward, as torch's DDP: before the first, and before one that follows a training
+        forward (see common.BufferBroadcast). Checkpoints hold rank 0's buffers either way.
     A parameter no rank got a gradient for keeps `.grad = None` (see the module docstring): no
     find_unused_parameters flag to set; the cost is one all-reduce of 4 bytes per parameter per
     backward.
@@ -567,6 +575,7 @@ def fully_shard(
         units=chosen,
         prefetch=prefetch,
         mixed_precision=mixed_precision,
+        broadcast_buffers=broadcast_buffers,
     )
     if wrapped.comm.rank == 0:
         labels = [u.label for u in wrapped.block_units]

@@ -52,7 +52,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from dtjob.trainer.collectives import abort
-from dtjob.trainer.parallel import clip, common, guard
+from dtjob.trainer.parallel import clip, common, guard, syncbn
 from dtjob.trainer.parallel.comm import Comm, control_group, new_group
 from dtjob.trainer.parallel.pp import boundary, wire
 from dtjob.trainer.parallel.pp.schedule import P2P, exchanges
@@ -200,6 +200,7 @@ class Pipeline(common.Wrapper):
         loss_fn: LossFn,
         collective: str,
         mixed_precision: str | None,
+        broadcast_buffers: bool = True,
     ) -> None:
         super().__init__()
         world, rank = dist.get_world_size(), dist.get_rank()
@@ -241,6 +242,12 @@ class Pipeline(common.Wrapper):
         self._used = torch.zeros(len(self._owned), device=self.dp_comm.device)
         self._had_grad: list[bool] = []
         self._tie_comms = self._tie_groups(module)
+        # This stage's buffers, from replica 0 of the stage (its data-parallel group).
+        owner, stage = self.plan.buffer_owner, self.stage
+        self._buffer_broadcast = common.BufferBroadcast(
+            module, self.dp_comm, broadcast_buffers, lambda name: owner.get(name) == stage
+        )
+        syncbn.bind_sync_batchnorms(module, self.dp_comm, "pipeline")
         self._free_others(module)
         self._install_hooks(module)
 
@@ -440,6 +447,7 @@ class Pipeline(common.Wrapper):
         self.last_step_busy_s = 0.0
         self._loss_scale = self._scale_of(scaler)
         self._prepare_grads()
+        self._buffer_broadcast.before_forward(True)
         self.meter.live = self.meter.peak = 0
         loss, per_microbatch, _ = self._run_schedule(inputs, targets, self.schedule)
         if per_microbatch:
@@ -486,6 +494,7 @@ class Pipeline(common.Wrapper):
         no .loss), and on the last stage the model's outputs for this replica's batch (the
         micro-batches' tensors concatenated along dim 0, scalars averaged; None elsewhere).
         Dropout and the like follow the module's mode: call pipe.eval() first, as with torch."""
+        self._buffer_broadcast.before_forward(False)
         with torch.no_grad():
             loss, _, outputs = self._run_schedule(inputs, targets, "forward")
         self.comm.all_reduce_sum(loss)
@@ -689,7 +698,7 @@ class Pipeline(common.Wrapper):
     def local_buffers(self) -> list[LocalShard]:
         buffers = common.persistent_buffers(self.module)
         return [
-            LocalShard.replicated(n, b, self.dp_comm.rank, self.dp_comm.size)
+            LocalShard.from_replica0(n, b, self.dp_comm.rank)
             for n, b in buffers.items()
             if self.plan.buffer_owner.get(n) == self.stage
         ]
@@ -746,6 +755,7 @@ def pipeline(
     loss_fn: LossFn | None = None,
     collective: str = "auto",
     mixed_precision: str | None = None,
+    broadcast_buffers: bool = True,
 ) -> Pipeline:
     """Cut `model` into `stages` stages over the default process group (see the module docstring).
 
@@ -759,6 +769,9 @@ def pipeline(
         activations alive at once).
     loss_fn(output, targets) -> the mean loss of a micro-batch; default: the output's .loss, else
         cross-entropy of the logits.
+    broadcast_buffers: before each step() copy every stage's buffers (BatchNorm's running
+        statistics, ...) from replica 0 to the other replicas of that stage, as torch's DDP does
+        over its group; nothing to do without replicas. Checkpoints hold replica 0's buffers.
     """
     if not dist.is_initialized():
         raise RuntimeError("pipeline() needs torch.distributed.init_process_group() to be called first")
@@ -788,4 +801,5 @@ def pipeline(
         loss_fn=loss_fn or default_loss,
         collective=collective,
         mixed_precision=mixed_precision,
+        broadcast_buffers=broadcast_buffers,
     )
