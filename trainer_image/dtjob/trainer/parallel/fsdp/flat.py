@@ -1,20 +1,33 @@
-"""A flat unit: the parameters of one unit, laid end to end and cut into equal shards.
+"""A unit's parameters, each sharded on its first dimension (rows), as torch's FSDP2 does.
 
-    full   [p0 p0 p0 | p1 p1 | p2 ... | pad]     length padded = size * shard_len
-    shard  rank r owns full[r * shard_len : (r + 1) * shard_len]
+Parameter p (rows = p.shape[0]) is cut into N chunks of c_p = ceil(rows / N) rows (torch.chunk's
+size); rank r owns rows [r * c_p, (r + 1) * c_p), fewer or none at the end. A rank's shard of the
+unit is its chunk of every parameter, end to end, each padded to c_p rows:
 
-The module's parameters become views into `full`, so the module runs unchanged. Each rank's
-optimizer sees one parameter per original parameter: the piece of it that falls in this rank's
-shard (possibly empty), a view into `shard`. So an elementwise optimizer updates exactly its shard,
-parameter groups can be chosen by name, and the optimizer state is sharded with no extra copy.
+    shard of rank r   [p0 rows of r | pad] [p1 rows of r | pad] ...      length shard_len
+    all-gather        [shard of rank 0] [shard of rank 1] ...            rank-major, N * shard_len
 
-ZeRO-3 keeps `shard` as a tensor of its own and resizes `full`'s storage to zero between uses (the
-parameter views stay valid objects; their data comes back when the storage is regrown and filled by
-an all-gather). ZeRO-1/2 keep `full` and `shard` is a view of it.
+Why rows and not equal cuts of one flat buffer: the piece the optimizer holds is then a tensor of
+the parameter's own dimensionality, (rows it owns, *p.shape[1:]), so shape-based code
+(nanoGPT's `p.dim() >= 2` weight-decay groups, LoRA freezing) sees what it sees in one process,
+and each piece is still one contiguous range of the flattened parameter (what a checkpoint's
+LocalShard describes: start = first row * row numel). The price is padding: up to N - 1 rows per
+parameter in the shard, against N - 1 elements per unit before.
+
+The module's parameters stay views into `full`, the unit's parameters end to end in their own
+layout, so the module runs unchanged. An all-gather lands in a rank-major buffer and is copied
+out into `full` ("copy-out", as FSDP2); gradients are copied into the rank-major layout before a
+reduce-scatter ("copy-in"). ZeRO-3 keeps `shard` as a tensor of its own, the pieces are views of
+it, and `full`'s storage is resized to zero between uses. ZeRO-1/2 keep `full`, and the pieces
+are views of its rows, so the optimizer updates the parameters in place.
+
+A 0-dim parameter is one row of one element, so rank 0 owns it: its piece is 1-D, (1,) on rank 0
+and (0,) elsewhere - the one case where a piece's dim() differs from the parameter's.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -25,20 +38,35 @@ from torch import nn
 class Slot:
     name: str  # the parameter's name in the whole model (state dict key)
     param: nn.Parameter  # the full parameter, a view into FlatUnit.full while gathered
-    offset: int  # where it starts in the unit's flat buffer
+    offset: int  # where it starts in `full`
     numel: int
     shape: torch.Size
+    rows: int  # shape[0] (1 for a 0-dim parameter)
+    chunk: int  # rows per rank, ceil(rows / N)
+    at: int  # where its chunk starts within every rank's shard
+
+    @property
+    def row_numel(self) -> int:
+        return self.numel // self.rows if self.rows else 0
+
+    def rows_of(self, rank: int) -> tuple[int, int]:
+        """The rows [first, end) rank `rank` owns."""
+        return min(self.rows, rank * self.chunk), min(self.rows, (rank + 1) * self.chunk)
+
+    def piece_shape(self, rank: int) -> tuple[int, ...]:
+        first, end = self.rows_of(rank)
+        return (end - first, *self.shape[1:])
 
 
 @dataclass(frozen=True)
 class ShardPiece:
-    """The part of one parameter that falls in this rank's shard."""
+    """The rows of one parameter this rank owns."""
 
     slot: Slot
     start: int  # first element of the piece within the flattened parameter
     at: int  # where the piece starts within this rank's shard
-    length: int
-    param: nn.Parameter  # what the optimizer holds: a view of FlatUnit.shard (grad: of a reduced shard)
+    length: int  # elements
+    param: nn.Parameter  # what the optimizer holds, shaped (rows owned, *shape[1:])
 
 
 class FlatUnit:
@@ -58,38 +86,68 @@ class FlatUnit:
                 )
         self.dtype, self.device = first.dtype, first.device
         slots: list[Slot] = []
-        offset = 0
+        offset = at = 0
         for name, p in named:
-            slots.append(Slot(name, p, offset, p.numel(), p.shape))
+            rows = p.shape[0] if p.dim() > 0 else 1
+            chunk = -(-rows // size)
+            slots.append(Slot(name, p, offset, p.numel(), p.shape, rows, chunk, at))
             offset += p.numel()
+            at += chunk * (p.numel() // rows if rows else 0)
         self.slots = slots
         self.numel = offset
-        self.shard_len = -(-offset // size)  # ceil: every rank gets an equal shard
-        self.padded = self.shard_len * size
-        self.full = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
+        self.shard_len = at
+        self.padded = self.shard_len * size  # what an all-gather returns
+        self.full = torch.empty(self.numel, dtype=self.dtype, device=self.device)
         with torch.no_grad():
             for s in slots:
                 self.full[s.offset : s.offset + s.numel].copy_(s.param.detach().reshape(-1))
         for s in slots:
             s.param.data = self.full[s.offset : s.offset + s.numel].view(s.shape)
-        lo, hi = self.shard_range
-        self.shard = self.full[lo:hi].clone() if stage == 3 else self.full[lo:hi]
+        self.shard = self.local_shard() if stage == 3 else None
         self.pieces = [self._piece(s) for s in slots]
         self.gathered = True
         self.grads_pending = len(slots)
-        self.synced_version = self.full._version  # ZeRO-1/2: the shard as last gathered
-
-    @property
-    def shard_range(self) -> tuple[int, int]:
-        """This rank's [lo, hi) in the flat buffer (may extend into padding)."""
-        return self.rank * self.shard_len, (self.rank + 1) * self.shard_len
+        self.synced_version = self.full._version  # ZeRO-1/2: the pieces as last gathered
 
     def _piece(self, s: Slot) -> ShardPiece:
-        lo, hi = self.shard_range
-        a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
-        start, at, length = (a - s.offset, a - lo, b - a) if a < b else (0, 0, 0)
-        param = nn.Parameter(self.shard[at : at + length], requires_grad=True)
-        return ShardPiece(s, start, at, length, param)
+        first, end = s.rows_of(self.rank)
+        start, length = first * s.row_numel, (end - first) * s.row_numel
+        shape = s.piece_shape(self.rank) if s.shape else (length,)
+        if self.shard is not None:  # ZeRO-3: a view of the shard
+            data = self.shard[s.at : s.at + length].view(shape)
+        else:  # ZeRO-1/2: a view of the parameter's own rows
+            data = self.full[s.offset + start : s.offset + start + length].view(shape)
+        return ShardPiece(s, start, s.at, length, nn.Parameter(data, requires_grad=True))
+
+    def _rank_ranges(self, s: Slot) -> Iterator[tuple[int, int, int]]:
+        """(rank, start, length): rank's rows of `s` as elements of the flattened parameter."""
+        for r in range(self.size):
+            first, end = s.rows_of(r)
+            if end > first:
+                yield r, first * s.row_numel, (end - first) * s.row_numel
+
+    def send_shard(self) -> torch.Tensor:
+        """What this rank gives an all-gather: the ZeRO-3 shard, or (ZeRO-1/2) a copy of its rows."""
+        return self.shard if self.shard is not None else self.local_shard()
+
+    def local_shard(self) -> torch.Tensor:
+        """This rank's shard (padded rows zero) copied out of `full`."""
+        shard = torch.zeros(self.shard_len, dtype=self.dtype, device=self.device)
+        with torch.no_grad():
+            for s in self.slots:
+                first, end = s.rows_of(self.rank)
+                n = (end - first) * s.row_numel
+                lo = s.offset + first * s.row_numel
+                shard[s.at : s.at + n].copy_(self.full[lo : lo + n])
+        return shard
+
+    def copy_out(self, gathered: torch.Tensor, full: torch.Tensor) -> None:
+        """Copy a rank-major all-gather result into `full`'s layout (each parameter end to end)."""
+        with torch.no_grad():
+            for s in self.slots:
+                for r, start, length in self._rank_ranges(s):
+                    src = r * self.shard_len + s.at
+                    full[s.offset + start : s.offset + start + length].copy_(gathered[src : src + length])
 
     def free_full(self) -> None:
         """Release the gathered parameters' memory (ZeRO-3); the views stay, pointing at nothing."""
@@ -98,26 +156,31 @@ class FlatUnit:
 
     def regrow_full(self) -> None:
         storage = self.full.untyped_storage()
-        nbytes = self.padded * self.full.element_size()
+        nbytes = self.numel * self.full.element_size()
         if storage.nbytes() != nbytes:
             storage.resize_(nbytes)
 
     def flatten_grads(self) -> torch.Tensor:
-        """The unit's gradients laid out like `full` (zeros where a parameter got no gradient)."""
+        """The unit's gradients in the rank-major layout a reduce-scatter cuts into shards (zeros
+        where a parameter got no gradient, and in the padding)."""
         flat = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
         for s in self.slots:
-            if s.param.grad is not None:
-                flat[s.offset : s.offset + s.numel].copy_(s.param.grad.reshape(-1))
+            if s.param.grad is None:
+                continue
+            grad = s.param.grad.reshape(-1)
+            for r, start, length in self._rank_ranges(s):
+                dst = r * self.shard_len + s.at
+                flat[dst : dst + length].copy_(grad[start : start + length])
         return flat
 
     def add_to_shard_grads(self, reduced: torch.Tensor) -> None:
         """Add this rank's reduced shard (length shard_len) to its pieces' gradients, as autograd
         accumulates: a piece whose .grad is None (after zero_grad(set_to_none=True)) takes its view
         of `reduced`. The unit keeps no gradient buffer of its own, so the gradient shard lives from
-        the backward to zero_grad(), as in one process and in FSDP2: 4/N bytes per parameter that
-        are not held between steps nor during the forward."""
+        the backward to zero_grad(), as in one process and in FSDP2: 4/N bytes per parameter (and
+        the rows' padding) that are not held between steps nor during the forward."""
         for piece in self.pieces:
-            values = reduced[piece.at : piece.at + piece.length]
+            values = reduced[piece.at : piece.at + piece.length].view(piece.param.shape)
             grad = piece.param.grad
             if grad is None:
                 piece.param.grad = values

@@ -22,7 +22,8 @@ or the longest ModuleList of one class), else the whole model; or `units=` (modu
 parameter used by two units (a tied embedding and head) belongs to the root, as with FSDP2.
 
 `model.parameters()` / `named_parameters()` are this rank's shards under the original names, one
-per original parameter (possibly empty). Between steps the wrapped module holds those shards too,
+per original parameter: the rows of it this rank owns (flat.py), so each has the parameter's
+dim() and trailing dimensions (possibly no rows). Between steps the wrapped module holds those shards too,
 so `state_dict()` is this rank's shards (load_state_dict takes them back, or full tensors, of
 which each rank keeps its part); `full_state_dict(model)` gathers the real weights. Reductions
 average in the gradients' dtype and run in a fixed order (units in reverse, the root last), so
@@ -116,7 +117,7 @@ class FullyShardedModule(common.Wrapper):
         self._step_open = False  # the full parameters are registered (a forward ran, backward pending)
         self._in_backward = False
         self._sync_this_backward = True
-        self._pending_gather: dict[int, Handle] = {}
+        self._pending_gather: dict[int, tuple[torch.Tensor, Handle]] = {}
         self._reductions: dict[int, tuple[torch.Tensor, torch.Tensor, Handle | None]] = {}
         self._ready: set[int] = set()
         self._next_reduce = 0  # _reduce_order[:_next_reduce] launched
@@ -205,7 +206,7 @@ class FullyShardedModule(common.Wrapper):
             self._use_full()
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        """This rank's shards (1-D pieces) under the original names, and the buffers."""
+        """This rank's shards (its rows of each parameter) under the original names, and the buffers."""
         with self._shards_registered():
             return self.module.state_dict(*args, **kwargs)
 
@@ -217,7 +218,7 @@ class FullyShardedModule(common.Wrapper):
         for key, value in state_dict.items():
             piece = self._piece_by_key.get(key)
             if piece is not None and isinstance(value, torch.Tensor) and value.shape == piece.slot.shape:
-                value = value.reshape(-1)[piece.start : piece.start + piece.length]
+                value = value.reshape(-1)[piece.start : piece.start + piece.length].view(piece.param.shape)
             local[key] = value
         with self._shards_registered():
             result = self.module.load_state_dict(local, strict=strict, assign=False)
@@ -314,30 +315,39 @@ class FullyShardedModule(common.Wrapper):
         if self.stage == 3:
             return
         stale = [u for u in self.units if u.full._version != u.synced_version]
-        handles = []
+        gathers = []
         for unit in stale:
-            # The shard is a view of `full`: gather from a copy so input and output never alias.
-            handles.append(self.comm.all_gather(unit.full, unit.shard.detach().clone(), async_op=True))
-        for unit, handle in zip(stale, handles, strict=True):
+            gathered = torch.empty(unit.padded, dtype=unit.dtype, device=unit.device)
+            gathers.append((gathered, self.comm.all_gather(gathered, unit.send_shard(), async_op=True)))
+        for unit, (gathered, handle) in zip(stale, gathers, strict=True):
             handle.wait()
+            unit.copy_out(gathered, unit.full)
             unit.synced_version = unit.full._version
 
     # -- parameter gathering (ZeRO-3) ----------------------------------------------------------
     def _start_gather(self, unit: FlatUnit) -> None:
         if self.stage != 3 or unit.gathered or unit.index in self._pending_gather:
             return
-        unit.regrow_full()
-        held = sum(1 for u in self.units if u.full.untyped_storage().nbytes() > 0)
+        # The all-gather lands in a buffer of its own (rank-major); `full` is regrown only when it
+        # is copied out in _gather, so a prefetch holds one unit's bytes, as before.
+        gathered = torch.empty(unit.padded, dtype=unit.dtype, device=unit.device)
+        held = 1 + sum(
+            1 for u in self.units if u.full.untyped_storage().nbytes() > 0 or u.index in self._pending_gather
+        )
         self.peak_gathered_units = max(self.peak_gathered_units, held)
-        self._pending_gather[unit.index] = self.comm.all_gather(unit.full, unit.shard, async_op=True)
+        handle = self.comm.all_gather(gathered, unit.send_shard(), async_op=True)
+        self._pending_gather[unit.index] = (gathered, handle)
 
     def _gather(self, unit: FlatUnit) -> None:
         if self.stage != 3:
             return
         self._start_gather(unit)
-        handle = self._pending_gather.pop(unit.index, None)
-        if handle is not None:
+        pending = self._pending_gather.pop(unit.index, None)
+        if pending is not None:
+            gathered, handle = pending
             handle.wait()
+            unit.regrow_full()
+            unit.copy_out(gathered, unit.full)
         unit.gathered = True
 
     def _neighbour(self, unit: FlatUnit, step: int) -> FlatUnit | None:
@@ -428,7 +438,8 @@ class FullyShardedModule(common.Wrapper):
                 s.param.grad = view
             if not self._sync_this_backward:
                 return
-            flat = grad_full
+            flat = unit.flatten_grads()  # copy-in to the rank-major layout
+            grad_full.zero_()  # the full parameters' .grad are views of it: zero for the next step
         else:
             # The reductions launched so far had this unit's backward to run: take them in, which
             # frees their flat gradients before this unit's is allocated. So a rank holds at most
@@ -440,7 +451,7 @@ class FullyShardedModule(common.Wrapper):
             flat = unit.flatten_grads()
             for s in unit.slots:
                 s.param.grad = None
-        self._reductions[unit.index] = (flat, unit.shard.new_empty(unit.shard_len), None)
+        self._reductions[unit.index] = (flat, flat.new_empty(unit.shard_len), None)
         self._ready.add(unit.index)
         self._launch_ready()
 
@@ -476,8 +487,6 @@ class FullyShardedModule(common.Wrapper):
             for piece in unit.pieces:
                 if piece.param.grad is not None:
                     clip.mark(piece.param.grad, self.comm)
-            if self.stage == 1:
-                flat.zero_()  # the full parameters' .grad are views of it: zero for the next step
             del flat
             self._next_finish += 1
 

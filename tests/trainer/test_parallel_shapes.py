@@ -1,0 +1,71 @@
+"""Parameters keep their name and shape under every ZeRO stage (issue #40): fully_shard gives
+each rank rows of each parameter (fsdp/flat.py), so code that groups parameters by `p.dim()` -
+nanoGPT's `configure_optimizers`, weight decay for matrices only - trains exactly as in one
+process. Real gloo groups of 2 and 3 processes against one process on the global batch."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.trainer._shapes_cases import SEQ, VOCAB, relative_difference, run_shapes_world, train_reference
+
+pytestmark = pytest.mark.slow
+
+CASES = [
+    {
+        "name": f"zero{stage}-{'foreach' if foreach else 'loop'}",
+        "stage": stage,
+        "foreach": foreach,
+        "clip": 0.5,
+    }
+    for stage in (1, 2, 3)
+    for foreach in (True, False)
+]
+
+
+def _rows_owned(rows: int, rank: int, size: int) -> int:
+    chunk = -(-rows // size)  # torch.chunk's size, as FSDP2
+    return max(0, min(rows, (rank + 1) * chunk) - min(rows, rank * chunk))
+
+
+def _check_shapes(results: list[dict[str, Any]], name: str) -> None:
+    size = len(results)
+    for rank, result in enumerate(results):
+        expected = result[name]["expected"]
+        for seen in (result[name]["seen"], result[name]["seen_after"]):
+            assert [n for n, _, _ in seen] == [n for n, _, _ in expected], f"{name}: names differ"
+            for (n, shape, dim), (_, full, full_dim) in zip(seen, expected, strict=True):
+                if full_dim == 0:  # a 0-dim parameter: rank 0 holds its one element (flat.py)
+                    assert shape == ((1,) if rank == 0 else (0,)), f"{name}: {n} {shape}"
+                    continue
+                assert dim == full_dim, f"{name}: rank {rank} {n} has dim {dim}, the model's {full_dim}"
+                assert shape == (_rows_owned(full[0], rank, size), *full[1:]), (
+                    f"{name}: {n} {shape} of {full}"
+                )
+
+
+def _check_training(results: list[dict[str, Any]], case: dict[str, Any]) -> None:
+    name = case["name"]
+    for rank, result in enumerate(results):
+        assert "error" not in result[name], f"rank {rank}: {result[name]['error']}"
+    ref_losses, ref_state = train_reference(case)
+    losses = results[0][name]["losses"]
+    for step, (got, want) in enumerate(zip(losses, ref_losses, strict=True)):
+        assert abs(got - want) <= 1e-5 * abs(want), f"{name}: step {step} loss {got} vs one process {want}"
+    state = results[0][name]["state"]
+    assert state.keys() == ref_state.keys()
+    for key, want in ref_state.items():
+        assert state[key].shape == want.shape, key
+        diff = relative_difference(state[key], want)
+        assert diff < 1e-5, f"{name}: {key} differs from one process by {diff:.2e} (relative)"
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_nanogpt_configure_optimizers_trains_as_one_process_under_every_zero_stage(size: int) -> None:
+    assert VOCAB % 2 and SEQ % 2  # rows that do not split evenly: padding on some ranks
+    results = run_shapes_world(size, CASES)
+    for case in CASES:
+        _check_training(results, case)
+        _check_shapes(results, case["name"])
