@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
 
 VOCAB, WIDTH, HEADS, SEQ, DEPTH = 17, 10, 2, 7, 2
@@ -121,17 +122,25 @@ def _run_case(case: dict[str, Any]) -> dict[str, Any]:
 
     rank, size = dist.get_rank(), dist.get_world_size()
     plain = fresh_model()
-    expected = [(n, tuple(p.shape), p.dim()) for n, p in plain.named_parameters()]
+    expected = [(n, tuple(p.shape), p.dim(), tuple(p.shape)) for n, p in plain.named_parameters()]
     model = fully_shard(fresh_model(), zero_stage=case["stage"])  # units: the blocks h.0, h.1
-    seen = [(n, tuple(p.shape), p.dim()) for n, p in model.named_parameters()]
+    seen = _shapes(model)
     losses = train(model, case, rank, size)
     return {
         "expected": expected,
         "seen": seen,
-        "seen_after": [(n, tuple(p.shape), p.dim()) for n, p in model.named_parameters()],
+        "seen_after": _shapes(model),
         "losses": losses,
         "state": full_state_dict(model),
     }
+
+
+def _shapes(model: nn.Module) -> list[tuple[str, tuple[int, ...], int, tuple[int, ...] | None]]:
+    """(name, shape, dim, the local tensor's shape if a DTensor) of each named parameter."""
+    return [
+        (n, tuple(p.shape), p.dim(), tuple(p.to_local().shape) if isinstance(p, DTensor) else None)
+        for n, p in model.named_parameters()
+    ]
 
 
 def _worker(rank: int, size: int, cases: list[dict[str, Any]], out_dir: str) -> None:

@@ -31,19 +31,16 @@ def _rows_owned(rows: int, rank: int, size: int) -> int:
 
 
 def _check_shapes(results: list[dict[str, Any]], name: str) -> None:
+    """Names, shapes and dim() are the unwrapped model's; each is a DTensor whose local tensor is
+    the rows this rank owns (a 0-dim parameter: replicated, whole on every rank)."""
     size = len(results)
     for rank, result in enumerate(results):
         expected = result[name]["expected"]
         for seen in (result[name]["seen"], result[name]["seen_after"]):
-            assert [n for n, _, _ in seen] == [n for n, _, _ in expected], f"{name}: names differ"
-            for (n, shape, dim), (_, full, full_dim) in zip(seen, expected, strict=True):
-                if full_dim == 0:  # a 0-dim parameter: rank 0 holds its one element (flat.py)
-                    assert shape == ((1,) if rank == 0 else (0,)), f"{name}: {n} {shape}"
-                    continue
-                assert dim == full_dim, f"{name}: rank {rank} {n} has dim {dim}, the model's {full_dim}"
-                assert shape == (_rows_owned(full[0], rank, size), *full[1:]), (
-                    f"{name}: {n} {shape} of {full}"
-                )
+            assert [(n, shape, dim) for n, shape, dim, _ in seen] == [e[:3] for e in expected], name
+            for n, shape, _, local in seen:
+                rows = (_rows_owned(shape[0], rank, size), *shape[1:]) if shape else ()
+                assert local == rows, f"{name}: rank {rank} holds {local} of {n} {shape}, not {rows}"
 
 
 def _check_training(results: list[dict[str, Any]], case: dict[str, Any]) -> None:

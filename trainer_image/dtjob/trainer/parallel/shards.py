@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+from torch.distributed.tensor import DTensor
 
 
 def split_range(numel: int, replica: int, replicas: int) -> tuple[int, int]:
@@ -31,7 +32,7 @@ class LocalShard:
     """One local tensor and where it sits in its global tensor."""
 
     name: str  # in the unwrapped model (state_dict key)
-    tensor: torch.Tensor  # for a parameter: the object the optimizer holds
+    tensor: torch.Tensor  # for a parameter: the object the optimizer holds (fully_shard: a DTensor)
     global_shape: tuple[int, ...]
     offset: int  # flat position of tensor's first element in the global tensor
     write: tuple[int, int]  # the part [lo, hi) of tensor.view(-1) this rank writes
@@ -40,6 +41,12 @@ class LocalShard:
     def replicated(cls, name: str, tensor: torch.Tensor, replica: int, replicas: int) -> LocalShard:
         """A whole tensor that `replicas` ranks hold alike; replica `replica` writes its split."""
         return cls(name, tensor, tuple(tensor.shape), 0, split_range(tensor.numel(), replica, replicas))
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of `tensor`: a DTensor's local tensor (a view: writing it writes the
+    DTensor), any other tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 @dataclass(frozen=True)

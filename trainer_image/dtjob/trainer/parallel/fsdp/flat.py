@@ -21,17 +21,36 @@ reduce-scatter ("copy-in"). ZeRO-3 keeps `shard` as a tensor of its own, the pie
 it, and `full`'s storage is resized to zero between uses. ZeRO-1/2 keep `full`, and the pieces
 are views of its rows, so the optimizer updates the parameters in place.
 
-A 0-dim parameter is one row of one element, so rank 0 owns it: its piece is 1-D, (1,) on rank 0
-and (0,) elsewhere - the one case where a piece's dim() differs from the parameter's.
+Each piece is exposed as torch's FSDP2 exposes it: an nn.Parameter holding a DTensor of the
+parameter's global shape, placement Shard(0), on a DeviceMesh of the wrapper's process group, whose
+local tensor is the view above; its .grad is a DTensor of the same placement around the reduced
+rows. So `p.shape`, `p.dim()` and `named_parameters()` are the unwrapped model's, and torch's
+optimizers and clip_grad_norm_ work on them as on FSDP2's. Code needing plain tensors takes
+`p.to_local()` (checkpoints do).
+
+A 0-dim parameter cannot be sharded on dim 0: it is replicated (placement Replicate()). It takes one
+slot in every rank's shard; every rank copies its gradient into its own slot, so the
+reduce-scatter gives each rank the whole sum, and after each gather every rank takes rank 0's
+value, so the replicas cannot drift apart by rounding.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from dtjob.trainer.parallel.shards import local_tensor
+
+_UNIT = "_dtjob_flat_unit"  # on each piece: a weak reference to its FlatUnit
+_hooks: list[Any] = []
 
 
 @dataclass(frozen=True)
@@ -49,13 +68,35 @@ class Slot:
     def row_numel(self) -> int:
         return self.numel // self.rows if self.rows else 0
 
+    @property
+    def replicated(self) -> bool:
+        return len(self.shape) == 0
+
     def rows_of(self, rank: int) -> tuple[int, int]:
-        """The rows [first, end) rank `rank` owns."""
+        """The rows [first, end) rank `rank` owns (every rank owns a replicated one's)."""
+        if self.replicated:
+            return 0, 1
         return min(self.rows, rank * self.chunk), min(self.rows, (rank + 1) * self.chunk)
 
     def piece_shape(self, rank: int) -> tuple[int, ...]:
         first, end = self.rows_of(rank)
-        return (end - first, *self.shape[1:])
+        return (end - first, *self.shape[1:]) if self.shape else ()
+
+    def as_dtensor(self, local: torch.Tensor, mesh: DeviceMesh) -> DTensor:
+        """`local` (this rank's rows, shaped piece_shape) as a view of the global parameter."""
+        placements = [Replicate()] if self.replicated else [Shard(0)]
+        return DTensor.from_local(
+            local, mesh, placements, shape=self.shape, stride=self.stride, run_check=False
+        )
+
+    @property
+    def stride(self) -> tuple[int, ...]:
+        """The global parameter's (contiguous) stride."""
+        out, step = [], 1
+        for d in reversed(self.shape):
+            out.append(step)
+            step *= d
+        return tuple(reversed(out))
 
 
 @dataclass(frozen=True)
@@ -66,17 +107,26 @@ class ShardPiece:
     start: int  # first element of the piece within the flattened parameter
     at: int  # where the piece starts within this rank's shard
     length: int  # elements
-    param: nn.Parameter  # what the optimizer holds, shaped (rows owned, *shape[1:])
+    local: torch.Tensor  # this rank's rows, (rows owned, *shape[1:]): a view of the shard or `full`
+    param: nn.Parameter  # what the optimizer holds: a DTensor of the global shape around `local`
 
 
 class FlatUnit:
     def __init__(
-        self, index: int, label: str, named: list[tuple[str, nn.Parameter]], rank: int, size: int, stage: int
+        self,
+        index: int,
+        label: str,
+        named: list[tuple[str, nn.Parameter]],
+        mesh: DeviceMesh,
+        rank: int,
+        size: int,
+        stage: int,
     ) -> None:
         self.index = index
         self.label = label  # the unit's module name, for messages ("" for the root)
         self.rank = rank
         self.size = size
+        self.mesh = mesh
         first = named[0][1]
         for name, p in named:
             if (p.dtype, p.device) != (first.dtype, first.device):
@@ -107,21 +157,36 @@ class FlatUnit:
         self.pieces = [self._piece(s) for s in slots]
         self.gathered = True
         self.grads_pending = len(slots)
-        self.synced_version = self.full._version  # ZeRO-1/2: the pieces as last gathered
+        self.synced_version = self.version()  # ZeRO-1/2: the pieces as last gathered
+        for piece in self.pieces:
+            setattr(piece.param, _UNIT, weakref.ref(self))
+        if not _hooks:
+            _hooks.append(register_optimizer_step_post_hook(_mark_stepped))
+
+    def version(self) -> int:
+        """Changes when the parameters or the pieces change in place (ZeRO-1/2 then gathers).
+        An op on a DTensor bumps the DTensor's version counter but not its local tensor's, and
+        torch's foreach optimizers bump neither: an optimizer step marks its units (_mark_stepped)."""
+        return self.full._version + sum(p.param._version for p in self.pieces)
+
+    def mark_stale(self) -> None:
+        self.synced_version = -1
 
     def _piece(self, s: Slot) -> ShardPiece:
         first, end = s.rows_of(self.rank)
         start, length = first * s.row_numel, (end - first) * s.row_numel
-        shape = s.piece_shape(self.rank) if s.shape else (length,)
+        shape = s.piece_shape(self.rank)
         if self.shard is not None:  # ZeRO-3: a view of the shard
             data = self.shard[s.at : s.at + length].view(shape)
         else:  # ZeRO-1/2: a view of the parameter's own rows
             data = self.full[s.offset + start : s.offset + start + length].view(shape)
-        return ShardPiece(s, start, s.at, length, nn.Parameter(data, requires_grad=True))
+        param = nn.Parameter(s.as_dtensor(data, self.mesh), requires_grad=True)
+        return ShardPiece(s, start, s.at, length, data, param)
 
-    def _rank_ranges(self, s: Slot) -> Iterator[tuple[int, int, int]]:
-        """(rank, start, length): rank's rows of `s` as elements of the flattened parameter."""
-        for r in range(self.size):
+    def _rank_ranges(self, s: Slot, reading: bool = False) -> Iterator[tuple[int, int, int]]:
+        """(rank, start, length): rank's rows of `s` as elements of the flattened parameter.
+        reading: a replicated parameter is read from rank 0's slot only."""
+        for r in range(1 if reading and s.replicated else self.size):
             first, end = s.rows_of(r)
             if end > first:
                 yield r, first * s.row_numel, (end - first) * s.row_numel
@@ -145,9 +210,11 @@ class FlatUnit:
         """Copy a rank-major all-gather result into `full`'s layout (each parameter end to end)."""
         with torch.no_grad():
             for s in self.slots:
-                for r, start, length in self._rank_ranges(s):
+                for r, start, length in self._rank_ranges(s, reading=True):
                     src = r * self.shard_len + s.at
                     full[s.offset + start : s.offset + start + length].copy_(gathered[src : src + length])
+                if s.replicated and self.shard is not None:  # every rank keeps rank 0's value
+                    self.shard[s.at : s.at + 1].copy_(gathered[s.at : s.at + 1])
 
     def free_full(self) -> None:
         """Release the gathered parameters' memory (ZeRO-3); the views stay, pointing at nothing."""
@@ -180,9 +247,19 @@ class FlatUnit:
         the backward to zero_grad(), as in one process and in FSDP2: 4/N bytes per parameter (and
         the rows' padding) that are not held between steps nor during the forward."""
         for piece in self.pieces:
-            values = reduced[piece.at : piece.at + piece.length].view(piece.param.shape)
+            values = reduced[piece.at : piece.at + piece.length].view(piece.local.shape)
             grad = piece.param.grad
             if grad is None:
-                piece.param.grad = values
+                piece.param.grad = piece.slot.as_dtensor(values, self.mesh)
             else:
-                grad.add_(values)
+                local_tensor(grad).add_(values)
+
+
+def _mark_stepped(optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+    """After any optimizer's step (a global post-hook): the units of the pieces it holds are stale."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            ref = getattr(p, _UNIT, None)
+            unit = ref() if ref is not None else None
+            if unit is not None:
+                unit.mark_stale()
