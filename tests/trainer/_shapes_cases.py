@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
 
@@ -87,17 +88,34 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def train(model: nn.Module, case: dict[str, Any], rank: int, size: int) -> list[float]:
-    """nanoGPT's loop on this rank's slice of each global batch; the global mean loss per step."""
+    """nanoGPT's loop on this rank's slice of each global batch; the global mean loss per step.
+    precision "fp16": with a gradient scaler (ShardedGradScaler when sharded), as nanoGPT's
+    GradScaler; the one-process reference runs the same loop under torch.autocast itself."""
     optimizer = configure_optimizers(model, 0.1, 3e-2, (0.9, 0.95), case["foreach"])
+    precision = case.get("precision")
+    scaler: Any = None
+    if precision == "fp16":
+        scaler = ShardedGradScaler("cpu") if size > 1 else torch.amp.GradScaler("cpu")
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision or "")
+    # The wrapper runs its forward under autocast itself (mixed_precision=); one process needs it.
+    autocast = torch.autocast("cpu", dtype=dtype, enabled=dtype is not None and size == 1)
     losses = []
     for step in range(STEPS):
         x, y = batch(step)
         per = BATCH // size
         x, y = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
-        loss = F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
-        loss.backward()
+        with autocast:
+            logits = model(x)
+        loss = F.cross_entropy(logits.float().reshape(-1, VOCAB), y.reshape(-1))
+        (loss if scaler is None else scaler.scale(loss)).backward()
+        if scaler is not None:
+            scaler.unscale_(optimizer)
         torch.nn.utils.clip_grad_norm_(model.parameters(), case["clip"])
-        optimizer.step()
+        if scaler is None:
+            optimizer.step()
+        else:
+            scaler.step(optimizer)
+            scaler.update()
         optimizer.zero_grad(set_to_none=True)
         total = loss.detach().double().reshape(1)
         if size > 1:
@@ -123,7 +141,8 @@ def _run_case(case: dict[str, Any]) -> dict[str, Any]:
     rank, size = dist.get_rank(), dist.get_world_size()
     plain = fresh_model()
     expected = [(n, tuple(p.shape), p.dim(), tuple(p.shape)) for n, p in plain.named_parameters()]
-    model = fully_shard(fresh_model(), zero_stage=case["stage"])  # units: the blocks h.0, h.1
+    # units: the blocks h.0, h.1
+    model = fully_shard(fresh_model(), zero_stage=case["stage"], mixed_precision=case.get("precision"))
     seen = _shapes(model)
     losses = train(model, case, rank, size)
     return {

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 
 from tests.trainer._shapes_cases import SEQ, VOCAB, relative_difference, run_shapes_world, train_reference
 
@@ -22,6 +23,18 @@ CASES = [
     }
     for stage in (1, 2, 3)
     for foreach in (True, False)
+]
+
+
+# Mixed precision: autocast's rounding depends on how the batch is split, so these are compared
+# with one process as test_parallel_data's lossy cases are: losses and the whole parameter vector
+# within 2% (bf16's 8-bit mantissa, ~4e-3 relative, over 4 AdamW steps: 1.4e-2 on one matrix). What
+# they check is that the scaler and clipping work on DTensor gradients: an error, or a skipped or
+# doubled step, is far outside.
+LOSSY = [
+    {"name": f"zero{stage}-{precision}", "stage": stage, "foreach": True, "clip": 0.5, "precision": precision}
+    for stage in (2, 3)
+    for precision in ("fp16", "bf16")
 ]
 
 
@@ -43,26 +56,36 @@ def _check_shapes(results: list[dict[str, Any]], name: str) -> None:
                 assert local == rows, f"{name}: rank {rank} holds {local} of {n} {shape}, not {rows}"
 
 
-def _check_training(results: list[dict[str, Any]], case: dict[str, Any]) -> None:
+def _check_training(results: list[dict[str, Any]], case: dict[str, Any], tolerance: float = 1e-5) -> None:
     name = case["name"]
     for rank, result in enumerate(results):
         assert "error" not in result[name], f"rank {rank}: {result[name]['error']}"
     ref_losses, ref_state = train_reference(case)
     losses = results[0][name]["losses"]
     for step, (got, want) in enumerate(zip(losses, ref_losses, strict=True)):
-        assert abs(got - want) <= 1e-5 * abs(want), f"{name}: step {step} loss {got} vs one process {want}"
+        assert abs(got - want) <= tolerance * abs(want), (
+            f"{name}: step {step} loss {got} vs one process {want}"
+        )
     state = results[0][name]["state"]
     assert state.keys() == ref_state.keys()
+    if tolerance > 1e-5:  # lossy: the whole vector
+        got_all = torch.cat([state[k].reshape(-1) for k in ref_state])
+        want_all = torch.cat([v.reshape(-1) for v in ref_state.values()])
+        diff = relative_difference(got_all, want_all)
+        assert diff < tolerance, f"{name}: parameters differ from one process by {diff:.2e} (relative)"
+        return
     for key, want in ref_state.items():
         assert state[key].shape == want.shape, key
         diff = relative_difference(state[key], want)
-        assert diff < 1e-5, f"{name}: {key} differs from one process by {diff:.2e} (relative)"
+        assert diff < tolerance, f"{name}: {key} differs from one process by {diff:.2e} (relative)"
 
 
 @pytest.mark.parametrize("size", [2, 3])
 def test_nanogpt_configure_optimizers_trains_as_one_process_under_every_zero_stage(size: int) -> None:
     assert VOCAB % 2 and SEQ % 2  # rows that do not split evenly: padding on some ranks
-    results = run_shapes_world(size, CASES)
+    results = run_shapes_world(size, CASES + LOSSY)
     for case in CASES:
         _check_training(results, case)
         _check_shapes(results, case["name"])
+    for case in LOSSY:
+        _check_training(results, case, tolerance=2e-2)
