@@ -1,4 +1,4 @@
-"""`fully_shard(model)`: ZeRO stages 1, 2 and 3 on flat units, trained with the user's own loop.
+"""`fully_shard(model)`: ZeRO stages 1, 2 and 3, parameters sharded by rows (flat.py), in the user's loop.
 
     model = fully_shard(model, zero_stage=3)           # after init_process_group(), on its device
     optimizer = torch.optim.AdamW(model.parameters())  # this rank's shards; any parameter groups
