@@ -81,6 +81,25 @@ def configure_optimizers(
     return torch.optim.AdamW(optim_groups, lr=learning_rate, betas=betas, foreach=foreach)
 
 
+def groups_by_name(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Weight decay chosen by parameter name (as minGPT's configure_optimizers decides it, but from
+    named_parameters() alone): none for biases, LayerNorms, embeddings and the temperature."""
+    no_decay = (
+        "bias",
+        "ln_1.weight",
+        "ln_2.weight",
+        "ln_f.weight",
+        "wte.weight",
+        "wpe.weight",
+        "temperature",
+    )
+    named = list(model.named_parameters())
+    return [
+        {"params": [p for n, p in named if not n.endswith(no_decay)], "weight_decay": weight_decay},
+        {"params": [p for n, p in named if n.endswith(no_decay)], "weight_decay": 0.0},
+    ]
+
+
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 + step)
     data = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
@@ -91,7 +110,11 @@ def train(model: nn.Module, case: dict[str, Any], rank: int, size: int) -> list[
     """nanoGPT's loop on this rank's slice of each global batch; the global mean loss per step.
     precision "fp16": with a gradient scaler (ShardedGradScaler when sharded), as nanoGPT's
     GradScaler; the one-process reference runs the same loop under torch.autocast itself."""
-    optimizer = configure_optimizers(model, 0.1, 3e-2, (0.9, 0.95), case["foreach"])
+    if case.get("optimizer") == "sgd":  # groups by name, SGD with momentum
+        groups = groups_by_name(model, 0.1)
+        optimizer = torch.optim.SGD(groups, lr=0.1, momentum=0.9, foreach=case["foreach"])
+    else:
+        optimizer = configure_optimizers(model, 0.1, 3e-2, (0.9, 0.95), case["foreach"])
     precision = case.get("precision")
     scaler: Any = None
     if precision == "fp16":

@@ -23,6 +23,16 @@ CASES = [
     }
     for stage in (1, 2, 3)
     for foreach in (True, False)
+] + [
+    {
+        "name": f"zero{stage}-sgd-{foreach}",
+        "stage": stage,
+        "foreach": foreach,
+        "clip": 0.5,
+        "optimizer": "sgd",
+    }
+    for stage in (1, 3)
+    for foreach in (True, False)
 ]
 
 
