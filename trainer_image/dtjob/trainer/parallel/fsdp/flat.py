@@ -208,13 +208,16 @@ class FlatUnit:
 
     def copy_out(self, gathered: torch.Tensor, full: torch.Tensor) -> None:
         """Copy a rank-major all-gather result into `full`'s layout (each parameter end to end)."""
-        with torch.no_grad():
-            for s in self.slots:
-                for r, start, length in self._rank_ranges(s, reading=True):
-                    src = r * self.shard_len + s.at
-                    full[s.offset + start : s.offset + start + length].copy_(gathered[src : src + length])
-                if s.replicated and self.shard is not None:  # every rank keeps rank 0's value
-                    self.shard[s.at : s.at + 1].copy_(gathered[s.at : s.at + 1])
+        dsts, srcs = [], []
+        for s in self.slots:
+            for r, start, length in self._rank_ranges(s, reading=True):
+                src = r * self.shard_len + s.at
+                dsts.append(full[s.offset + start : s.offset + start + length])
+                srcs.append(gathered[src : src + length])
+            if s.replicated and self.shard is not None:  # every rank keeps rank 0's value
+                dsts.append(self.shard[s.at : s.at + 1])
+                srcs.append(gathered[s.at : s.at + 1])
+        _copy_all(dsts, srcs)
 
     def free_full(self) -> None:
         """Release the gathered parameters' memory (ZeRO-3); the views stay, pointing at nothing."""
@@ -231,13 +234,16 @@ class FlatUnit:
         """The unit's gradients in the rank-major layout a reduce-scatter cuts into shards (zeros
         where a parameter got no gradient, and in the padding)."""
         flat = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
+        dsts, srcs = [], []
         for s in self.slots:
             if s.param.grad is None:
                 continue
             grad = s.param.grad.reshape(-1)
             for r, start, length in self._rank_ranges(s):
                 dst = r * self.shard_len + s.at
-                flat[dst : dst + length].copy_(grad[start : start + length])
+                dsts.append(flat[dst : dst + length])
+                srcs.append(grad[start : start + length])
+        _copy_all(dsts, srcs)
         return flat
 
     def add_to_shard_grads(self, reduced: torch.Tensor) -> None:
@@ -253,6 +259,14 @@ class FlatUnit:
                 piece.param.grad = piece.slot.as_dtensor(values, self.mesh)
             else:
                 local_tensor(grad).add_(values)
+
+
+def _copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """dst.copy_(src) for each pair, in one foreach call (N ranges per parameter: one kernel
+    launch per unit on a GPU, not N per parameter)."""
+    if dsts:
+        with torch.no_grad():
+            torch._foreach_copy_(dsts, srcs)
 
 
 def _mark_stepped(optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
