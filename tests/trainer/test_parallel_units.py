@@ -197,8 +197,8 @@ def test_sharded_module_between_steps_holds_only_shards_and_its_state_dict_works
     with torch.no_grad():
         assert torch.allclose(model(ids), plain(ids))
     model(ids).sum().backward()  # a step opens in forward and closes when backward ends
-    state = model.state_dict()  # the shards: 1-D pieces under the original names
-    assert set(state) == set(plain.state_dict()) and state["layers.0.lin.weight"].dim() == 1
+    state = model.state_dict()  # the shards: each parameter's rows under the original names
+    assert set(state) == set(plain.state_dict()) and state["layers.0.lin.weight"].dim() == 2
     assert dict(model.named_parameters()).keys() == dict(plain.named_parameters()).keys()
     with pytest.raises(RuntimeError, match="outside the wrapped model's forward"):
         model.module.layers[0](torch.zeros(1, 4))

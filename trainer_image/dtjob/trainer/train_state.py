@@ -17,8 +17,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
-from dtjob.trainer.parallel.shards import FetchRange, FlatShard, LocalShard
+from dtjob.trainer.parallel.shards import FetchRange, FlatShard, LocalShard, local_tensor
 
 
 def local_shards_of(model: nn.Module) -> tuple[list[LocalShard], list[LocalShard]]:
@@ -40,8 +41,17 @@ def local_shards_of(model: nn.Module) -> tuple[list[LocalShard], list[LocalShard
 def _flat(shard: LocalShard, tensor: torch.Tensor) -> FlatShard:
     """The part of `tensor` (shaped like the shard's local tensor) this rank writes."""
     lo, hi = shard.write
-    local = tensor.detach().reshape(-1)[lo:hi]
+    local = local_tensor(tensor).detach().reshape(-1)[lo:hi]
     return FlatShard(shard.global_shape, tensor.dtype, shard.offset + lo, local)
+
+
+def _is_tensor_state(value: Any, param: torch.Tensor) -> bool:
+    """An optimizer state shaped like its parameter (Adam's exp_avg), saved as a global tensor; a
+    0-dim one only for a DTensor parameter (fully_shard's replicated 0-dim piece), since a plain
+    0-dim tensor is also what step counts are."""
+    if not isinstance(value, torch.Tensor) or value.shape != param.shape:
+        return False
+    return value.dim() > 0 or isinstance(value, DTensor)
 
 
 def _json(value: Any) -> Any:
@@ -56,6 +66,16 @@ def _from_json(value: Any, device: torch.device) -> Any:
     if isinstance(value, dict) and "tensor" in value:
         return torch.tensor(value["tensor"], dtype=getattr(torch, value["dtype"]), device=device)
     return value
+
+
+def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """`local` (this rank's part of an optimizer state) as the parameter holds it: a DTensor of the
+    same placement for a DTensor parameter (what the optimizer created at its first step)."""
+    if not isinstance(param, DTensor):
+        return local
+    return DTensor.from_local(
+        local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride(), run_check=False
+    )
 
 
 class TrainState:
@@ -91,7 +111,7 @@ class TrainState:
         for s in params:
             out[f"model.{s.name}"] = _flat(s, s.tensor)
             for key, value in state.get(s.tensor, {}).items():
-                if isinstance(value, torch.Tensor) and value.shape == s.tensor.shape and value.dim() > 0:
+                if _is_tensor_state(value, s.tensor):
                     out[f"optim.{s.name}.{key}"] = _flat(s, value)
         for s in buffers:
             out[f"model.{s.name}"] = _flat(s, s.tensor)
@@ -107,7 +127,7 @@ class TrainState:
         tensor_states: set[str] = set()
         for s in params:
             for key, value in self.optimizer.state.get(s.tensor, {}).items():
-                if isinstance(value, torch.Tensor) and value.shape == s.tensor.shape and value.dim() > 0:
+                if _is_tensor_state(value, s.tensor):
                     tensor_states.add(key)
                 else:
                     scalars.setdefault(s.name, {})[key] = _json(value)
@@ -146,12 +166,12 @@ class TrainState:
         tensor_states = optim.get("tensor_states", [])
         with torch.no_grad():
             for s in [*params, *buffers]:
-                n = s.tensor.numel()
-                s.tensor.copy_(fetch(f"model.{s.name}", s.offset, n).view(s.tensor.shape))
+                local = local_tensor(s.tensor)
+                local.copy_(fetch(f"model.{s.name}", s.offset, local.numel()).view(local.shape))
             if self.optimizer is not None:
                 stateless = set(optim.get("stateless", []))
                 for s in params:
-                    p = s.tensor
+                    p, local = s.tensor, local_tensor(s.tensor)
                     if s.name in stateless:
                         self.optimizer.state.pop(p, None)
                         continue
@@ -165,8 +185,9 @@ class TrainState:
                         for k, v in scalars.items()
                     }
                     for key in tensor_states:
-                        value = fetch(f"optim.{s.name}.{key}", s.offset, p.numel())
-                        state[key] = value.to(device=p.device, dtype=p.dtype).view(p.shape).clone()
+                        value = fetch(f"optim.{s.name}.{key}", s.offset, local.numel())
+                        value = value.to(device=local.device, dtype=local.dtype).view(local.shape).clone()
+                        state[key] = _like(p, value)
                     if state:
                         self.optimizer.state[p] = state
                     else:

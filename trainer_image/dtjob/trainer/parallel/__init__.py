@@ -1,7 +1,7 @@
 """Parallel training of any `nn.Module` on dtjob's collectives, used in the user's own loop.
 
     model = data_parallel(model)                  # DDP: replicated, gradients averaged in backward
-    model = fully_shard(model, zero_stage=3)      # ZeRO 1/2/3 on flat units
+    model = fully_shard(model, zero_stage=3)      # ZeRO 1/2/3, sharded by rows
     pipe = pipeline(model, stages=2, microbatches=4, schedule="1f1b")   # GPipe / 1F1B, DP x PP
     state = full_state_dict(model)                # the unsharded weights on rank 0
 

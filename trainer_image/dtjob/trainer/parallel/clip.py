@@ -1,9 +1,10 @@
 """Gradient norms over sharded parameters: torch.nn.utils.clip_grad_norm_ made to count every rank.
 
 A ZeRO rank (or a pipeline stage) holds only part of the gradients, so the norm of its own
-gradients is not the model's. torch's FSDP2 gets this right through DTensor; dtjob's shards are
-plain tensors, so each gradient a wrapper hands out is marked with the process group whose ranks
-together hold the whole model (`mark`). `install()` replaces the function torch's
+gradients is not the model's. Each gradient a wrapper hands out is marked with the process group
+whose ranks together hold the whole model (`mark`); fully_shard's are DTensors, of which the norm
+reads the local tensors (torch's own DTensor path would return a DTensor norm and cannot mix with
+plain tensors). `install()` replaces the function torch's
 `clip_grad_norm_` and `get_total_norm` compute the norm with (torch.nn.utils.clip_grad._get_total_norm,
 looked up at call time, so even a `clip_grad_norm_` imported earlier uses it): for marked gradients
 it sums the p-th powers over the group (max for p = inf); unmarked gradients (replicated ones, e.g.
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.utils.clip_grad as torch_clip
+from torch.distributed.tensor import DTensor
 
 from dtjob.trainer.parallel.comm import Comm
 
@@ -48,7 +50,10 @@ def total_norm(
     foreach: bool | None = None,
 ) -> torch.Tensor:
     """torch.nn.utils.get_total_norm, over every rank's pieces of marked gradients."""
-    listed = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    given = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    # A DTensor's local tensor carries its mark: a Shard(0) piece is spread over the group, a
+    # Replicate() one (unmarked) is counted once, like any replicated gradient.
+    listed = [_local(t) for t in given]
     owners = {id(o): o for t in listed if isinstance(o := getattr(t, _ATTR, None), Comm)}
     if not owners:
         counted = [t for t in listed if getattr(t, _ATTR, None) != DUPLICATE]
@@ -80,6 +85,16 @@ def total_norm(
             "cannot be clipped; set error_if_nonfinite=False to scale the gradients by it anyway"
         )
     return result
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    if not isinstance(t, DTensor):
+        return t
+    local = t.to_local()
+    owner = getattr(t, _ATTR, None)
+    if owner is not None:
+        setattr(local, _ATTR, owner)
+    return local
 
 
 def install() -> None:

@@ -1,12 +1,13 @@
 """Optimizers whose update is not elementwise cannot step on pieces of parameters: refused.
 
-A ZeRO rank holds a 1-D piece of each parameter, so an optimizer whose update of an element reads
-other elements of the same parameter sees the wrong ones, silently: Adafactor factors its second
-moment over the parameter's rows and columns, Muon orthogonalises the whole matrix, LBFGS takes
-dot products over every parameter. A pipeline stage holds only its own parameters, which LBFGS's
-line search over all of them cannot run on. Each wrapper marks the parameters it hands out; a
-global optimizer pre-step hook (torch.optim.optimizer.register_optimizer_step_pre_hook) checks an
-optimizer's parameters once, at its first step, and raises naming the optimizer and what to use.
+A ZeRO rank holds some rows of each parameter (a DTensor's local tensor), so an optimizer whose
+update of an element reads other elements of the same parameter sees the wrong ones, silently:
+Adafactor factors its second moment over the parameter's rows and columns, Muon orthogonalises
+the whole matrix, LBFGS takes dot products over every parameter. A pipeline stage holds only its
+own parameters, which LBFGS's line search over all of them cannot run on. Each wrapper marks the
+parameters it hands out; a global optimizer pre-step hook
+(torch.optim.optimizer.register_optimizer_step_pre_hook) checks an optimizer's parameters once, at
+its first step, and raises naming the optimizer and what to use.
 Optimizers outside torch.optim are not known here and are let through.
 """
 

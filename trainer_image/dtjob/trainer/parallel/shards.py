@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+from torch.distributed.tensor import DTensor
 
 
 def split_range(numel: int, replica: int, replicas: int) -> tuple[int, int]:
@@ -31,7 +32,7 @@ class LocalShard:
     """One local tensor and where it sits in its global tensor."""
 
     name: str  # in the unwrapped model (state_dict key)
-    tensor: torch.Tensor  # for a parameter: the object the optimizer holds
+    tensor: torch.Tensor  # for a parameter: the object the optimizer holds (fully_shard: a DTensor)
     global_shape: tuple[int, ...]
     offset: int  # flat position of tensor's first element in the global tensor
     write: tuple[int, int]  # the part [lo, hi) of tensor.view(-1) this rank writes
@@ -47,6 +48,12 @@ class LocalShard:
         statistics, updated by each rank's own batches): replica 0 writes all of it, so a
         checkpoint holds one rank's values, those the next forward would broadcast."""
         return cls(name, tensor, tuple(tensor.shape), 0, (0, tensor.numel() if replica == 0 else 0))
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of `tensor`: a DTensor's local tensor (a view: writing it writes the
+    DTensor), any other tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 @dataclass(frozen=True)

@@ -45,8 +45,10 @@ def _sharded(wrapped: FullyShardedModule, rank0_only: bool) -> dict[str, torch.T
     wrapped._sync_params()
     for unit in wrapped.units:
         if wrapped.stage == 3:
-            flat = torch.empty(unit.padded, dtype=unit.dtype, device=unit.device)
-            wrapped.comm.all_gather(flat, unit.shard)
+            gathered = torch.empty(unit.padded, dtype=unit.dtype, device=unit.device)
+            wrapped.comm.all_gather(gathered, unit.send_shard())
+            flat = torch.empty(unit.numel, dtype=unit.dtype, device=unit.device)
+            unit.copy_out(gathered, flat)
         else:
             flat = unit.full
         if rank0_only and wrapped.comm.rank != 0:

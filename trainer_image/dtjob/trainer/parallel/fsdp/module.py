@@ -1,4 +1,4 @@
-"""`fully_shard(model)`: ZeRO stages 1, 2 and 3 on flat units, trained with the user's own loop.
+"""`fully_shard(model)`: ZeRO stages 1, 2 and 3, parameters sharded by rows (flat.py), in the user's loop.
 
     model = fully_shard(model, zero_stage=3)           # after init_process_group(), on its device
     optimizer = torch.optim.AdamW(model.parameters())  # this rank's shards; any parameter groups
@@ -21,10 +21,12 @@ Units: each `blocks_in_order()` block, else each repeated block (Hugging Face `_
 or the longest ModuleList of one class), else the whole model; or `units=` (modules or names). A
 parameter used by two units (a tied embedding and head) belongs to the root, as with FSDP2.
 
-`model.parameters()` / `named_parameters()` are this rank's shards under the original names, one
-per original parameter (possibly empty). Between steps the wrapped module holds those shards too,
-so `state_dict()` is this rank's shards (load_state_dict takes them back, or full tensors, of
-which each rank keeps its part); `full_state_dict(model)` gathers the real weights. Reductions
+`model.parameters()` / `named_parameters()` are the original names and shapes, as FSDP2's: each is
+a DTensor (placement Shard(0)) whose local tensor is the rows of the parameter this rank owns
+(flat.py; possibly none), so code choosing parameter groups by name or `p.dim()` trains as in one
+process. Between steps the wrapped module holds those shards too,
+so `state_dict()` is those DTensors (load_state_dict takes them back, or full tensors, of which
+each rank keeps its rows); `full_state_dict(model)` gathers the real weights. Reductions
 average in the gradients' dtype and run in a fixed order (units in reverse, the root last), so
 every rank issues the same sequence of collectives. Gradient norms: `model.clip_grad_norm_()` or
 torch.nn.utils.clip_grad_norm_ (dtjob.trainer makes torch's count every rank's shard, see clip.py).
@@ -53,6 +55,8 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from dtjob.trainer.parallel import clip, common, guard, syncbn
 from dtjob.trainer.parallel.comm import Comm, Handle
@@ -87,6 +91,11 @@ class FullyShardedModule(Unsharding, common.Wrapper):
         common.broadcast_from_rank0([*module.parameters(), *module.buffers()], comm)
         self._buffer_broadcast = common.BufferBroadcast(module, comm, broadcast_buffers)
         syncbn.bind_sync_batchnorms(module, comm, "fully_shard")
+        device = next(p.device for p in module.parameters() if p.requires_grad)
+        group = (
+            comm.group if comm.group is not None else torch.distributed.distributed_c10d._get_default_group()
+        )
+        self.mesh = DeviceMesh.from_group(group, device.type)
         self.units, self.block_units, self.root_unit = self._make_units(module, units)
         self._position = {u.index: i for i, u in enumerate(self.block_units)}
         self._reduce_order = [*reversed(self.block_units), *([self.root_unit] if self.root_unit else [])]
@@ -132,7 +141,7 @@ class FullyShardedModule(Unsharding, common.Wrapper):
         self._step_open = False  # the full parameters are registered (a forward ran, backward pending)
         self._in_backward = False
         self._sync_this_backward = True
-        self._pending_gather: dict[int, Handle] = {}
+        self._pending_gather: dict[int, tuple[torch.Tensor, Handle]] = {}
         self._reductions: dict[int, tuple[torch.Tensor, torch.Tensor, Handle | None]] = {}
         self._ready: set[int] = set()
         self._next_reduce = 0  # _reduce_order[:_next_reduce] launched
@@ -168,12 +177,14 @@ class FullyShardedModule(Unsharding, common.Wrapper):
         for unit, group in zip(units, groups, strict=True):
             if group:  # a unit without trainable parameters of its own has nothing to shard
                 label = names.get(id(unit), "?")
-                flat.append(FlatUnit(len(flat), label, group, self.comm.rank, self.comm.size, self.stage))
+                flat.append(
+                    FlatUnit(len(flat), label, group, self.mesh, self.comm.rank, self.comm.size, self.stage)
+                )
                 self._unit_modules.append(unit)
         blocks = list(flat)
         root = None
         if rest:
-            root = FlatUnit(len(flat), "", rest, self.comm.rank, self.comm.size, self.stage)
+            root = FlatUnit(len(flat), "", rest, self.mesh, self.comm.rank, self.comm.size, self.stage)
             flat.append(root)
         return flat, blocks, root
 
@@ -224,19 +235,22 @@ class FullyShardedModule(Unsharding, common.Wrapper):
             self._use_full()
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        """This rank's shards (1-D pieces) under the original names, and the buffers."""
+        """The parameters as DTensors (this rank's rows) under the original names, and the buffers."""
         with self._shards_registered():
             return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
     ) -> Any:
-        """This rank's shards (as state_dict() gives them), or full tensors of the original shapes."""
+        """The DTensors state_dict() gives, or full tensors of the original shapes (each rank keeps
+        its rows)."""
         local: dict[str, Any] = {}
         for key, value in state_dict.items():
             piece = self._piece_by_key.get(key)
-            if piece is not None and isinstance(value, torch.Tensor) and value.shape == piece.slot.shape:
-                value = value.reshape(-1)[piece.start : piece.start + piece.length]
+            plain = isinstance(value, torch.Tensor) and not isinstance(value, DTensor)
+            if piece is not None and plain and value.shape == piece.slot.shape:
+                rows = value.reshape(-1)[piece.start : piece.start + piece.length].view(piece.local.shape)
+                value = piece.slot.as_dtensor(rows.to(piece.local.device), self.mesh)
             local[key] = value
         with self._shards_registered():
             result = self.module.load_state_dict(local, strict=strict, assign=False)
@@ -272,6 +286,9 @@ class FullyShardedModule(Unsharding, common.Wrapper):
         self._sync_params()
         out = []
         for name, piece in self._pieces.items():
+            if piece.slot.replicated:
+                out.append(LocalShard.replicated(name, piece.param, self.comm.rank, self.comm.size))
+                continue
             write = (0, piece.length)
             out.append(LocalShard(name, piece.param, tuple(piece.slot.shape), piece.start, write))
         for name, p in self._frozen.items():
@@ -284,7 +301,7 @@ class FullyShardedModule(Unsharding, common.Wrapper):
 
     def after_load(self) -> None:
         for unit in self.units:
-            unit.synced_version = -1  # ZeRO-1/2: gather the loaded shards before the next forward
+            unit.mark_stale()  # ZeRO-1/2: gather the loaded shards before the next forward
 
     # -- swapping full parameters and shards -----------------------------------------------------
     def _use_full(self) -> None:
@@ -318,7 +335,7 @@ class FullyShardedModule(Unsharding, common.Wrapper):
         if self.stage == 3:
             # A prefetch no forward used (a unit called on its own outside a step prefetches the
             # next): let it land before its buffer is freed.
-            for handle in self._pending_gather.values():
+            for _gathered, handle in self._pending_gather.values():
                 handle.wait()
             self._pending_gather.clear()
             for unit in self.units:
@@ -332,31 +349,49 @@ class FullyShardedModule(Unsharding, common.Wrapper):
         """ZeRO-1/2: all-gather the shards the optimizer changed since the last gather."""
         if self.stage == 3:
             return
-        stale = [u for u in self.units if u.full._version != u.synced_version]
-        handles = []
-        for unit in stale:
-            # The shard is a view of `full`: gather from a copy so input and output never alias.
-            handles.append(self.comm.all_gather(unit.full, unit.shard.detach().clone(), async_op=True))
-        for unit, handle in zip(stale, handles, strict=True):
-            handle.wait()
-            unit.synced_version = unit.full._version
+        # One gather in flight while the previous is copied out: each holds a unit's rank-major
+        # buffer, so gathering every unit at once held a whole model more (2.14 MB peak against
+        # 1.75 MB in test_peak_bytes_of_a_step_stay_within_one_unit_and_fsdp2).
+        pending: tuple[FlatUnit, torch.Tensor, Handle] | None = None
+        for unit in [u for u in self.units if u.version() != u.synced_version]:
+            gathered = torch.empty(unit.padded, dtype=unit.dtype, device=unit.device)
+            handle = self.comm.all_gather(gathered, unit.send_shard(), async_op=True)
+            if pending is not None:
+                self._copy_out_synced(*pending)
+            pending = (unit, gathered, handle)
+        if pending is not None:
+            self._copy_out_synced(*pending)
+
+    @staticmethod
+    def _copy_out_synced(unit: FlatUnit, gathered: torch.Tensor, handle: Handle) -> None:
+        handle.wait()
+        unit.copy_out(gathered, unit.full)
+        unit.synced_version = unit.version()
 
     # -- parameter gathering (ZeRO-3) ----------------------------------------------------------
     def _start_gather(self, unit: FlatUnit) -> None:
         if self.stage != 3 or unit.gathered or unit.index in self._pending_gather:
             return
-        unit.regrow_full()
-        held = sum(1 for u in self.units if u.full.untyped_storage().nbytes() > 0)
+        # The all-gather lands in a buffer of its own (rank-major); `full` is regrown only when it
+        # is copied out in _gather, so a prefetch holds one unit's bytes, as before.
+        gathered = torch.empty(unit.padded, dtype=unit.dtype, device=unit.device)
+        held = 1 + sum(
+            1 for u in self.units if u.full.untyped_storage().nbytes() > 0 or u.index in self._pending_gather
+        )
         self.peak_gathered_units = max(self.peak_gathered_units, held)
-        self._pending_gather[unit.index] = self.comm.all_gather(unit.full, unit.shard, async_op=True)
+        handle = self.comm.all_gather(gathered, unit.send_shard(), async_op=True)
+        self._pending_gather[unit.index] = (gathered, handle)
 
     def _gather(self, unit: FlatUnit) -> None:
         if self.stage != 3:
             return
         self._start_gather(unit)
-        handle = self._pending_gather.pop(unit.index, None)
-        if handle is not None:
+        pending = self._pending_gather.pop(unit.index, None)
+        if pending is not None:
+            gathered, handle = pending
             handle.wait()
+            unit.regrow_full()
+            unit.copy_out(gathered, unit.full)
         unit.gathered = True
 
     def _neighbour(self, unit: FlatUnit, step: int) -> FlatUnit | None:
@@ -449,7 +484,8 @@ class FullyShardedModule(Unsharding, common.Wrapper):
                 s.param.grad = view
             if not self._sync_this_backward:
                 return
-            flat = grad_full
+            flat = unit.flatten_grads()  # copy-in to the rank-major layout
+            grad_full.zero_()  # the full parameters' .grad are views of it: zero for the next step
         else:
             # The reductions launched so far had this unit's backward to run: take them in, which
             # frees their flat gradients before this unit's is allocated. So a rank holds at most
@@ -461,7 +497,7 @@ class FullyShardedModule(Unsharding, common.Wrapper):
             flat = unit.flatten_grads()
             for s in unit.slots:
                 s.param.grad = None
-        self._reductions[unit.index] = (flat, unit.shard.new_empty(unit.shard_len), None)
+        self._reductions[unit.index] = (flat, flat.new_empty(unit.shard_len), None)
         self._ready.add(unit.index)
         self._launch_ready()
 
@@ -498,10 +534,8 @@ class FullyShardedModule(Unsharding, common.Wrapper):
             self._grad_flags.note(unit)
             unit.add_to_shard_grads(out.div_(self.comm.size))
             for piece in unit.pieces:
-                if piece.param.grad is not None:
+                if piece.param.grad is not None and not piece.slot.replicated:
                     clip.mark(piece.param.grad, self.comm)
-            if self.stage == 1:
-                flat.zero_()  # the full parameters' .grad are views of it: zero for the next step
             del flat
             self._next_finish += 1
 
