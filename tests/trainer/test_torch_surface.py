@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from dtjob.trainer.models import MLP, MLPConfig
 from dtjob.trainer.parallel import data_parallel, fully_shard, pipeline
@@ -214,7 +215,7 @@ def check_unshard(kind: str) -> None:
     for name, p in model.module.named_parameters():
         torch.testing.assert_close(p.detach(), want[name].detach(), rtol=0, atol=0, msg=name)
     model.reshard()
-    assert all(p.dim() == 1 for p in model.module.parameters())
+    assert all(isinstance(p, DTensor) for p in model.module.parameters())  # the shards again
 
 
 CHECKS: dict[str, Callable[[str], None]] = {
