@@ -302,7 +302,18 @@ class PodEnv:
         return getattr(self, _POD_ENV_FIELDS[variable])
 
 
-_POD_ENV_FIELDS = {f.metadata["variable"]: f.name for f in dataclasses.fields(PodEnv)}
+_POD_ENV_META = {f.metadata["variable"]: f for f in dataclasses.fields(PodEnv)}
+_POD_ENV_FIELDS = {variable: f.name for variable, f in _POD_ENV_META.items()}
+# Unset, these follow from others (PodEnv.from_environ); every other variable takes its default.
+_DERIVED = {ENV_POD_RANK: "RANK / LOCAL_WORLD_SIZE", ENV_PODS: "WORLD_SIZE / LOCAL_WORLD_SIZE"}
+
+
+def pod_env_form(variable: str) -> str:
+    """What `variable` must hold and what unset means, as docs/design.md's table says it."""
+    f = _POD_ENV_META[variable]
+    default = f.default
+    shown = _DERIVED.get(variable) or ("none" if default in (None, "", frozenset()) else str(default))
+    return f"{f.metadata['form'].expected}; unset: {shown}"
 
 
 # --- what each name means (docs/design.md's tables are generated from these) ----------------------
@@ -325,13 +336,16 @@ ENVIRONMENT: dict[str, tuple[str, str]] = {
     ),
     ENV_JOB_UID: ("operator", "the job's metadata.uid: with the generation, who may write checkpoints"),
     ENV_CHECKPOINT_DIR: ("operator", "where the checkpoint volume is mounted (spec.checkpoint.mountPath)"),
-    ENV_METRICS_PORT: ("operator", "the Prometheus port of LOCAL_RANK 0; local rank r serves on this + r"),
-    ENV_DEVICE: ("user", "auto, cpu or cuda (unset: auto)"),
-    ENV_HEARTBEAT_TIMEOUT: ("operator", "a rank silent this long is lost (elastic.heartbeatTimeoutSeconds)"),
+    ENV_METRICS_PORT: ("operator", "the Prometheus port of LOCAL_RANK 0 (0: none); local rank r: this + r"),
+    ENV_DEVICE: ("user", "where the trainer computes (auto: CUDA where available, else the CPU)"),
+    ENV_HEARTBEAT_TIMEOUT: (
+        "operator",
+        "a rank silent this long is lost (0: no heartbeat; elastic.heartbeatTimeoutSeconds)",
+    ),
     ENV_AGENT_PORT: ("operator", "pod 0's agent's port (masterPort + 1); only with restarts in place"),
     ENV_RESTARTS_LEFT: ("operator", "restarts in place the gang may still make; only with restarts in place"),
     ENV_PERMANENT_EXIT_CODES: ("operator", "exit codes never restarted in place (comma list)"),
-    ENV_IN_PLACE_RESTARTS: ("agent", "restarts in place of this generation so far (unset: none)"),
+    ENV_IN_PLACE_RESTARTS: ("agent", "restarts in place of this generation so far"),
     ENV_RESTART_CAUSE: ("agent", "what failed before the last restart in place"),
 }
 

@@ -129,3 +129,10 @@ def test_a_pods_processes_get_consecutive_ranks_without_a_pod_rank() -> None:
     assert [child_env(pod, i)[contract.ENV_RANK] for i in (0, 1)] == ["2", "3"]
     with_pod_rank = {**pod, contract.ENV_POD_RANK: "1", contract.ENV_RANK: "2"}
     assert [child_env(with_pod_rank, i)[contract.ENV_RANK] for i in (0, 1)] == ["2", "3"]
+
+
+def test_the_design_table_states_each_variables_form_and_default() -> None:
+    assert contract.pod_env_form(contract.ENV_WORLD_SIZE) == "a whole number >= 1; unset: 1"
+    pods = "a whole number >= 1; unset: WORLD_SIZE / LOCAL_WORLD_SIZE"
+    assert contract.pod_env_form(contract.ENV_PODS) == pods
+    assert contract.pod_env_form(contract.ENV_CHECKPOINT_DIR) == "text; unset: none"
