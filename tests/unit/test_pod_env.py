@@ -47,12 +47,28 @@ def test_every_variable_of_the_contract_is_a_field_and_every_field_a_variable() 
 def test_every_variable_is_read_typed() -> None:
     env = PodEnv.from_environ(FULL)
     assert env == PodEnv(
-        master_addr="job-worker-0.job.ns.svc", master_port=29400, world_size=6, rank=4, local_rank=1,
-        local_world_size=2, pod_rank=2, pods=3, job_name="job", namespace="ns", generation=7,
-        job_uid="uid-1", checkpoint_dir="/ckpt", metrics_port=9400, device="cpu", heartbeat_timeout=2.5,
-        agent_port=29401, restarts_left=3, permanent_exit_codes=frozenset({2, 126, 127}),
-        in_place_restarts=1, restart_cause="rank 1 (pod 0) exited 137 (SIGKILL)",
-    )  # fmt: skip
+        master_addr="job-worker-0.job.ns.svc",
+        master_port=29400,
+        world_size=6,
+        rank=4,
+        local_rank=1,
+        local_world_size=2,
+        pod_rank=2,
+        pods=3,
+        job_name="job",
+        namespace="ns",
+        generation=7,
+        job_uid="uid-1",
+        checkpoint_dir="/ckpt",
+        metrics_port=9400,
+        device="cpu",
+        heartbeat_timeout=2.5,
+        agent_port=29401,
+        restarts_left=3,
+        permanent_exit_codes=frozenset({2, 126, 127}),
+        in_place_restarts=1,
+        restart_cause="rank 1 (pod 0) exited 137 (SIGKILL)",
+    )
     assert env.value(contract.ENV_HEARTBEAT_TIMEOUT) == 2.5
 
 
@@ -61,8 +77,11 @@ def test_unset_or_empty_is_the_default_of_one_process_started_by_hand() -> None:
     plain = PodEnv()
     assert (plain.rank, plain.world_size, plain.master_addr, plain.master_port) == (0, 1, "127.0.0.1", 29500)
     assert (plain.checkpoint_dir, plain.metrics_port, plain.agent_port, plain.heartbeat_timeout) == (
-        None, 0, None, 10.0,
-    )  # fmt: skip
+        None,
+        0,
+        None,
+        10.0,
+    )
     assert PodEnv.from_environ({contract.ENV_AGENT_PORT: "0"}).agent_port is None
 
 
@@ -117,8 +136,13 @@ def test_trainer_config_defaults_are_the_pod_defaults() -> None:
 def test_the_agent_reads_the_pod_variables_through_the_contract() -> None:
     s = AgentSettings.from_env(FULL)
     assert (s.nproc, s.pod, s.pods, s.master_addr, s.agent_port, s.job_uid) == (
-        2, 2, 3, "job-worker-0.job.ns.svc", 29401, "uid-1",
-    )  # fmt: skip
+        2,
+        2,
+        3,
+        "job-worker-0.job.ns.svc",
+        29401,
+        "uid-1",
+    )
     with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE='0' is not a whole number >= 1"):
         AgentSettings.from_env({contract.ENV_LOCAL_WORLD_SIZE: "0"})
 
