@@ -160,3 +160,13 @@ def test_the_design_table_states_each_variables_form_and_default() -> None:
     pods = "a whole number >= 1; unset: WORLD_SIZE / LOCAL_WORLD_SIZE"
     assert contract.pod_env_form(contract.ENV_PODS) == pods
     assert contract.pod_env_form(contract.ENV_CHECKPOINT_DIR) == "text; unset: none"
+
+
+def test_one_variable_reads_as_the_whole_environment_does() -> None:
+    for variable in set(contract.ENVIRONMENT) - {contract.ENV_POD_RANK, contract.ENV_PODS}:
+        assert PodEnv.read(variable, FULL) == PodEnv.from_environ(FULL).value(variable), variable
+        assert PodEnv.read(variable, {}) == PodEnv().value(variable), variable
+    with pytest.raises(PodEnvError, match="LOCAL_WORLD_SIZE='0' is not a whole number >= 1"):
+        PodEnv.read(contract.ENV_LOCAL_WORLD_SIZE, {contract.ENV_LOCAL_WORLD_SIZE: "0"})
+    with pytest.raises(ValueError, match="DTJOB_PODS unset follows from other variables"):
+        PodEnv.read(contract.ENV_PODS, FULL)

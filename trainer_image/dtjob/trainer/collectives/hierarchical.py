@@ -64,7 +64,8 @@ def local_world_size(explicit: int | None) -> int:
             raise InvalidArgument(f"local_world_size must be a whole number >= 1, got {explicit!r}")
         return explicit
     try:
-        return contract.PodEnv.from_environ().local_world_size
+        local: int = contract.PodEnv.read(contract.ENV_LOCAL_WORLD_SIZE)
+        return local
     except contract.PodEnvError as err:
         raise InvalidArgument(str(err)) from None
 
