@@ -13,6 +13,9 @@ the pod derives the per-process ones when a pod runs several processes):
     LOCAL_RANK, LOCAL_WORLD_SIZE  rank inside the pod, processes per pod (spec.nprocPerWorker)
     DTJOB_*                       the names below
 
+Every process reads this environment through `PodEnv.from_environ()`: typed, checked, with
+the defaults of a process started without an operator (one process, rank 0, 127.0.0.1:29500).
+
 Exit codes: see the EXIT_* constants.
 
 Metrics: every process serves Prometheus text on DTJOB_METRICS_PORT + LOCAL_RANK; the operator
@@ -27,8 +30,12 @@ complete; the operator reads it from the finished pod's log (its metrics endpoin
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 # --- exit codes ------------------------------------------------------------------------------
 EXIT_OK = 0  # training complete
@@ -189,6 +196,142 @@ def parse_complete_line(text: str) -> Completion | None:
     )
 
 
+# --- reading the environment ------------------------------------------------------------------
+DEVICES = ("auto", "cpu", "cuda")
+
+
+class PodEnvError(ValueError):
+    """A variable of the pod environment is malformed; the message names it and the form expected."""
+
+
+@dataclass(frozen=True)
+class _Form:
+    """How a variable's text becomes its value, and the form named when it does not."""
+
+    expected: str
+    parse: Callable[[str], Any]
+
+
+def _whole(minimum: int, maximum: int | None = None, expected: str = "") -> _Form:
+    def parse(raw: str) -> int:
+        value = int(raw)
+        if value < minimum or (maximum is not None and value > maximum):
+            raise ValueError(raw)
+        return value
+
+    return _Form(expected or f"a whole number >= {minimum}", parse)
+
+
+def _one_of(choices: tuple[str, ...]) -> _Form:
+    def parse(raw: str) -> str:
+        if raw not in choices:
+            raise ValueError(raw)
+        return raw
+
+    return _Form(f"one of {', '.join(choices)}", parse)
+
+
+_TEXT = _Form("text", str)
+_COUNT = _whole(0)
+_SIZE = _whole(1)
+_PORT = _whole(0, 65535, "a port number (0-65535)")
+_AGENT_PORT = _Form(_PORT.expected, lambda raw: _PORT.parse(raw) or None)  # 0: none
+_SECONDS = _Form("a number of seconds", float)
+_CODES = _Form("a comma list of integers", lambda raw: frozenset(int(c) for c in raw.split(",") if c.strip()))
+
+
+def _var(variable: str, default: Any, form: _Form) -> Any:
+    """A field of PodEnv: read from `variable`; `default` when it is unset or empty."""
+    return dataclasses.field(default=default, metadata={"variable": variable, "form": form})
+
+
+@dataclass(frozen=True)
+class PodEnv:
+    """The environment of a trainer process (ENVIRONMENT below), typed and checked.
+
+    `PodEnv.from_environ()` is the one place it is read: the gang, the trainer's configuration,
+    the collectives, the heartbeat and the pod's launcher all ask it. Unset or empty, a variable
+    has the default below, that of one process started by hand.
+    """
+
+    master_addr: str = _var(ENV_MASTER_ADDR, "127.0.0.1", _TEXT)
+    master_port: int = _var(ENV_MASTER_PORT, 29500, _whole(1, 65535, "a port number (1-65535)"))
+    world_size: int = _var(ENV_WORLD_SIZE, 1, _SIZE)
+    rank: int = _var(ENV_RANK, 0, _COUNT)
+    local_rank: int = _var(ENV_LOCAL_RANK, 0, _COUNT)
+    local_world_size: int = _var(ENV_LOCAL_WORLD_SIZE, 1, _SIZE)
+    # Unset: RANK // LOCAL_WORLD_SIZE and WORLD_SIZE // LOCAL_WORLD_SIZE (RANK is the pod's first).
+    pod_rank: int = _var(ENV_POD_RANK, 0, _COUNT)
+    pods: int = _var(ENV_PODS, 1, _SIZE)
+    job_name: str = _var(ENV_JOB_NAME, "", _TEXT)
+    namespace: str = _var(ENV_NAMESPACE, "", _TEXT)
+    generation: int = _var(ENV_GENERATION, 0, _COUNT)
+    job_uid: str = _var(ENV_JOB_UID, "", _TEXT)
+    checkpoint_dir: str | None = _var(ENV_CHECKPOINT_DIR, None, _TEXT)  # None: no checkpoints
+    metrics_port: int = _var(ENV_METRICS_PORT, 0, _PORT)  # 0: no metrics
+    device: str = _var(ENV_DEVICE, "auto", _one_of(DEVICES))
+    heartbeat_timeout: float = _var(ENV_HEARTBEAT_TIMEOUT, 10.0, _SECONDS)  # <= 0: no heartbeat
+    agent_port: int | None = _var(ENV_AGENT_PORT, None, _AGENT_PORT)  # None: no restarts in place
+    restarts_left: int = _var(ENV_RESTARTS_LEFT, 0, _COUNT)
+    permanent_exit_codes: frozenset[int] = _var(ENV_PERMANENT_EXIT_CODES, frozenset(), _CODES)
+    in_place_restarts: int = _var(ENV_IN_PLACE_RESTARTS, 0, _COUNT)
+    restart_cause: str = _var(ENV_RESTART_CAUSE, "", _TEXT)
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] = os.environ) -> PodEnv:
+        """Read `environ` (os.environ, read now); raise PodEnvError naming a malformed variable."""
+        values = {
+            f.name: _parse(f, environ[f.metadata["variable"]])
+            for f in dataclasses.fields(cls)
+            if environ.get(f.metadata["variable"], "") != ""
+        }
+        env = cls(**values)
+        return dataclasses.replace(
+            env,
+            pod_rank=values.get("pod_rank", env.rank // env.local_world_size),
+            pods=values.get("pods", max(1, env.world_size // env.local_world_size)),
+        )
+
+    def value(self, variable: str) -> Any:
+        """The value of `variable` (one of ENVIRONMENT's names)."""
+        return getattr(self, _POD_ENV_FIELDS[variable])
+
+    @staticmethod
+    def read(variable: str, environ: Mapping[str, str] = os.environ) -> Any:
+        """One variable, read and checked as from_environ does, for a caller on a hot path (the
+        collectives ask LOCAL_WORLD_SIZE at every call: 1 lookup instead of 21). Not for
+        DTJOB_POD_RANK and DTJOB_PODS, whose default follows from other variables."""
+        if variable in _DERIVED:
+            raise ValueError(f"{variable} unset follows from other variables: use PodEnv.from_environ()")
+        f = _POD_ENV_META[variable]
+        raw = environ.get(variable, "")
+        return f.default if raw == "" else _parse(f, raw)
+
+
+def _parse(f: dataclasses.Field[Any], raw: str) -> Any:
+    form: _Form = f.metadata["form"]
+    try:
+        return form.parse(raw)
+    except ValueError:
+        raise PodEnvError(
+            f"environment variable {f.metadata['variable']}={raw!r} is not {form.expected}"
+        ) from None
+
+
+_POD_ENV_META = {f.metadata["variable"]: f for f in dataclasses.fields(PodEnv)}
+_POD_ENV_FIELDS = {variable: f.name for variable, f in _POD_ENV_META.items()}
+# Unset, these follow from others (PodEnv.from_environ); every other variable takes its default.
+_DERIVED = {ENV_POD_RANK: "RANK / LOCAL_WORLD_SIZE", ENV_PODS: "WORLD_SIZE / LOCAL_WORLD_SIZE"}
+
+
+def pod_env_form(variable: str) -> str:
+    """What `variable` must hold and what unset means, as docs/design.md's table says it."""
+    f = _POD_ENV_META[variable]
+    default = f.default
+    shown = _DERIVED.get(variable) or ("none" if default in (None, "", frozenset()) else str(default))
+    return f"{f.metadata['form'].expected}; unset: {shown}"
+
+
 # --- what each name means (docs/design.md's tables are generated from these) ----------------------
 # Who sets a variable: the operator in the pod spec, dtjob's launcher per process, the pod's agent
 # per round restarted in place, or the user in the job's template.
@@ -209,13 +352,16 @@ ENVIRONMENT: dict[str, tuple[str, str]] = {
     ),
     ENV_JOB_UID: ("operator", "the job's metadata.uid: with the generation, who may write checkpoints"),
     ENV_CHECKPOINT_DIR: ("operator", "where the checkpoint volume is mounted (spec.checkpoint.mountPath)"),
-    ENV_METRICS_PORT: ("operator", "the Prometheus port of LOCAL_RANK 0; local rank r serves on this + r"),
-    ENV_DEVICE: ("user", "auto, cpu or cuda (unset: auto)"),
-    ENV_HEARTBEAT_TIMEOUT: ("operator", "a rank silent this long is lost (elastic.heartbeatTimeoutSeconds)"),
+    ENV_METRICS_PORT: ("operator", "the Prometheus port of LOCAL_RANK 0 (0: none); local rank r: this + r"),
+    ENV_DEVICE: ("user", "where the trainer computes (auto: CUDA where available, else the CPU)"),
+    ENV_HEARTBEAT_TIMEOUT: (
+        "operator",
+        "a rank silent this long is lost (0: no heartbeat; elastic.heartbeatTimeoutSeconds)",
+    ),
     ENV_AGENT_PORT: ("operator", "pod 0's agent's port (masterPort + 1); only with restarts in place"),
     ENV_RESTARTS_LEFT: ("operator", "restarts in place the gang may still make; only with restarts in place"),
     ENV_PERMANENT_EXIT_CODES: ("operator", "exit codes never restarted in place (comma list)"),
-    ENV_IN_PLACE_RESTARTS: ("agent", "restarts in place of this generation so far (unset: none)"),
+    ENV_IN_PLACE_RESTARTS: ("agent", "restarts in place of this generation so far"),
     ENV_RESTART_CAUSE: ("agent", "what failed before the last restart in place"),
 }
 

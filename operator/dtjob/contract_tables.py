@@ -53,8 +53,11 @@ def _documented(prefix: str, described: Iterable[object], table: str) -> None:
 
 def environment() -> list[str]:
     _documented("ENV_", contract.ENVIRONMENT, "ENVIRONMENT")
-    rows = [(f"`{name}`", who, meaning) for name, (who, meaning) in contract.ENVIRONMENT.items()]
-    return _table(("Variable", "Set by", "Meaning"), rows)
+    rows = [
+        (f"`{name}`", who, contract.pod_env_form(name), meaning)
+        for name, (who, meaning) in contract.ENVIRONMENT.items()
+    ]
+    return _table(("Variable", "Set by", "Form (contract.PodEnv)", "Meaning"), rows)
 
 
 def exit_codes() -> list[str]:

@@ -18,6 +18,7 @@ from typing import Any
 
 import kopf
 
+from dtjob.api import JobPhase
 from dtjob.operator.jobview import FINALIZER, GROUP, PLURAL, VERSION, finalized
 from dtjob.operator.passes import JobPassRunner
 from dtjob.operator.settings import OperatorSettings
@@ -26,9 +27,9 @@ from dtjob.operator.settings import OperatorSettings
 def needs_timer(phase: str | None, spec: Any) -> bool:
     """Whether time alone can change what a job needs: not for a Suspended job, nor for a
     finished one without ttlSecondsAfterFinished (their pod and spec changes arrive as events)."""
-    if phase == "Suspended":
+    if phase == JobPhase.SUSPENDED:
         return False
-    if phase in {"Succeeded", "Failed"}:
+    if phase in {JobPhase.SUCCEEDED, JobPhase.FAILED}:
         return (spec.get("runPolicy") or {}).get("ttlSecondsAfterFinished") is not None
     return True
 

@@ -22,6 +22,7 @@ from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
 from dtjob import contract
+from dtjob.api import JobPhase
 from dtjob.operator import gang
 from dtjob.operator.actions import (
     Action,
@@ -300,7 +301,7 @@ class Kube:
 
     def _final_step(self, job: JobView, pod: str) -> TrainerProgress | None:
         """Where a finished rank 0 ended, from its log (its metrics endpoint is gone)."""
-        if job.status.get("phase") in {"Succeeded", "Failed"}:
+        if job.status.get("phase") in {JobPhase.SUCCEEDED, JobPhase.FAILED}:
             return None  # already recorded
         try:
             text = self.core.read_namespaced_pod_log(

@@ -11,11 +11,12 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from dtjob import contract
+from dtjob.api import JobPhase
 from dtjob.operator.actions import JobRecovered, JobRestarted
 from dtjob.operator.recoveries import CAUSES
 from dtjob.operator.timefmt import from_rfc3339
 
-PHASES = ("Pending", "Running", "Restarting", "Succeeded", "Failed", "Suspended")
+PHASES = tuple(phase.value for phase in JobPhase)
 
 
 @dataclass

@@ -51,6 +51,7 @@ from typing import Any
 from kubernetes.client.rest import ApiException
 from pydantic import ValidationError
 
+from dtjob.api import JobPhase
 from dtjob.operator.actions import EmitEvent, PatchStatus
 from dtjob.operator.coalescer import Coalescer, Later
 from dtjob.operator.jobview import finalized
@@ -283,7 +284,7 @@ class JobPassRunner:
                 # holds that progress, and the wake-up has nothing left to write (500 jobs of 4
                 # workers: 545 of 5,059 passes were such wake-ups).
                 self._progress_due.pop(key, None)
-            if patches[0].get("phase") == "Running":
+            if patches[0].get("phase") == JobPhase.RUNNING:
                 # The rules of a running gang (rank 0's metrics, a stalled step, growing) ran
                 # before this pass set the phase: the next pass decides on it (and names their
                 # wake-ups). A status patch's own event triggers nothing else (`own_status`).

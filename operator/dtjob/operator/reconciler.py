@@ -59,7 +59,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from dtjob import contract
-from dtjob.api import validate_job
+from dtjob.api import JobPhase, validate_job
 from dtjob.operator import accounting, gang, in_place, manifests, recoveries
 from dtjob.operator.actions import (
     Action,
@@ -89,8 +89,9 @@ from dtjob.operator.progress import (
 from dtjob.operator.settings import ReconcilerSettings
 from dtjob.operator.timefmt import from_rfc3339, to_rfc3339
 
-PENDING, RUNNING, RESTARTING = "Pending", "Running", "Restarting"
-SUCCEEDED, FAILED, SUSPENDED = "Succeeded", "Failed", "Suspended"
+# The job's phases; status.phase is written by _Pass.set_phase only.
+PENDING, RUNNING, RESTARTING = JobPhase.PENDING, JobPhase.RUNNING, JobPhase.RESTARTING
+SUCCEEDED, FAILED, SUSPENDED = JobPhase.SUCCEEDED, JobPhase.FAILED, JobPhase.SUSPENDED
 CHECKPOINT_WRITE_FAILING = "CheckpointWriteFailing"
 FINISHED = {SUCCEEDED, FAILED}
 # Restart reasons that are failures (not planned rescales): time to recover is measured for these.
@@ -346,15 +347,16 @@ class _Pass:
     def event(self, reason: str, message: str, warning: bool = False) -> None:
         self.events.append(EmitEvent("Warning" if warning else "Normal", reason, message))
 
-    def set_phase(self, phase: str, reason: str, message: str, warning: bool = False) -> None:
-        """Record a transition: phase, the matching condition, an Event saying why."""
+    def set_phase(self, phase: JobPhase, reason: str, message: str, warning: bool = False) -> None:
+        """Record a transition, the one place status.phase is written: the phase (as its plain
+        string), the matching condition (Pending has none), an Event saying why."""
         previous = self.status.get("phase")
-        self.status["phase"] = phase
+        self.status["phase"] = phase.value
         for ctype in (RUNNING, RESTARTING, SUSPENDED, SUCCEEDED, FAILED):
             if ctype == phase:
-                self.set_condition(ctype, True, reason, message)
+                self.set_condition(ctype.value, True, reason, message)
             elif (self.condition(ctype) or {}).get("status") == "True":
-                self.set_condition(ctype, False, reason, message)
+                self.set_condition(ctype.value, False, reason, message)
         if previous != phase or phase == RESTARTING:
             self.event(reason, message, warning)
 
@@ -585,9 +587,8 @@ def _start(p: _Pass) -> None:
     size = p.job.desired_replicas
     p.status["replicas"] = size
     p.status["worldSize"] = size * p.job.nproc_per_worker
-    p.status["phase"] = PENDING
+    p.set_phase(PENDING, "Created", f"generation 0: creating {size} workers")  # its Event: Created
     p.set_condition("Created", True, "Created", f"generation 0: creating {size} workers")
-    p.event("Created", f"generation 0: creating {size} workers")
 
 
 def _say_in_place(p: _Pass) -> None:
@@ -716,7 +717,7 @@ def _new_generation(
     message: str,
     *,
     counted: bool,
-    phase: str = RESTARTING,
+    phase: JobPhase = RESTARTING,
     failed_at: datetime | None = None,
     exit_code: int | None = None,
 ) -> None:

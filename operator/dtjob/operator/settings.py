@@ -6,7 +6,9 @@ uses it: `reconciler` goes into every call of the pure reconciler beside the obs
 `observer` to the Kubernetes client, `retry` to the pass runner, the rest to kopf. Nothing reads
 a setting from a module constant or a process global, so a test builds the settings it needs.
 
-Each field is documented in the docstring under it, as kopf documents its `OperatorSettings`.
+Each field is documented in the docstring under it, as kopf documents its `OperatorSettings`,
+and is a flag of `dtjob operator` (dtjob.operator.flags derives each flag's name, type, default
+and help from the field: a new setting needs no flag declared).
 """
 
 from __future__ import annotations

@@ -66,32 +66,18 @@ class AgentSettings:
     job_uid: str = ""  # DTJOB_JOB_UID: which gang an agent's hello is for
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str]) -> AgentSettings:
-        def number(name: str, default: int) -> int:
-            raw = env.get(name) or ""
-            try:
-                return int(raw) if raw else default
-            except ValueError:
-                raise ValueError(f"{name}={raw!r} is not an integer") from None
-
-        nproc = number(contract.ENV_LOCAL_WORLD_SIZE, 1)
-        pods = number(contract.ENV_PODS, max(1, number(contract.ENV_WORLD_SIZE, nproc) // max(1, nproc)))
-        port = number(contract.ENV_AGENT_PORT, 0)
-        codes = env.get(contract.ENV_PERMANENT_EXIT_CODES) or ""
-        try:
-            permanent = frozenset(int(c) for c in codes.split(",") if c.strip())
-        except ValueError:
-            name = contract.ENV_PERMANENT_EXIT_CODES
-            raise ValueError(f"{name}={codes!r} is not a comma list of integers") from None
+    def from_env(cls, environ: Mapping[str, str]) -> AgentSettings:
+        """Raises contract.PodEnvError (a ValueError) naming a malformed variable."""
+        env = contract.PodEnv.from_environ(environ)
         return cls(
-            nproc=nproc,
-            pod=number(contract.ENV_POD_RANK, number(contract.ENV_RANK, 0) // max(1, nproc)),
-            pods=pods,
-            master_addr=env.get(contract.ENV_MASTER_ADDR) or "127.0.0.1",
-            agent_port=port or None,
-            restarts_left=number(contract.ENV_RESTARTS_LEFT, 0),
-            permanent_codes=permanent,
-            job_uid=env.get(contract.ENV_JOB_UID) or "",
+            nproc=env.local_world_size,
+            pod=env.pod_rank,
+            pods=env.pods,
+            master_addr=env.master_addr,
+            agent_port=env.agent_port,
+            restarts_left=env.restarts_left,
+            permanent_codes=env.permanent_exit_codes,
+            job_uid=env.job_uid,
         )
 
 
@@ -328,9 +314,6 @@ def main(argv: list[str] | None = None) -> int:
         settings = AgentSettings.from_env(os.environ)
     except ValueError as err:
         print(f"dtjob-launcher: error: {err}", file=sys.stderr)
-        return contract.EXIT_CONFIG_ERROR
-    if settings.nproc < 1:
-        print(f"dtjob-launcher: error: LOCAL_WORLD_SIZE={settings.nproc} must be at least 1", file=sys.stderr)
         return contract.EXIT_CONFIG_ERROR
     agent = Agent(args, dict(os.environ), settings)
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -35,12 +35,11 @@ def exit_status(returncode: int) -> int:
 
 def child_env(environ: Mapping[str, str], local_rank: int) -> dict[str, str]:
     """The environment of local process `local_rank` of this pod."""
-    nproc = int(environ.get(contract.ENV_LOCAL_WORLD_SIZE) or 1)
-    pod_rank = int(environ.get(contract.ENV_POD_RANK) or environ.get(contract.ENV_RANK) or 0)
+    pod = contract.PodEnv.from_environ(environ)
     env = dict(environ)
     env[contract.ENV_LOCAL_RANK] = str(local_rank)
-    env[contract.ENV_RANK] = str(pod_rank * nproc + local_rank)
-    if nproc > 1:
+    env[contract.ENV_RANK] = str(pod.pod_rank * pod.local_world_size + local_rank)
+    if pod.local_world_size > 1:
         # Several processes share the pod's CPUs: one intra-op thread each unless the user chose.
         env.setdefault("OMP_NUM_THREADS", "1")
     return env

@@ -4,7 +4,8 @@
 (`--global-batch-size` for `global_batch_size`) that can also be set from an environment variable
 (`DTJOB_GLOBAL_BATCH_SIZE`); a flag wins over its variable, the variable over the default. The
 process-group fields (`rank`, `world_size`, `master_addr`, `master_port`, `local_rank`) read the
-torchrun-compatible variables `RANK`, `WORLD_SIZE`, ... that the operator sets on every worker pod.
+torchrun-compatible variables `RANK`, `WORLD_SIZE`, ... that the operator sets on every worker pod;
+these, and every other variable of the pod environment, are read by `dtjob.contract.PodEnv`.
 
 This module does not import torch, so a bad flag is reported in a fraction of a second. Every
 problem is a `ConfigError` whose message names the flag (and its environment variable) and what
@@ -202,10 +203,16 @@ def parse(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> Trai
     """Build and check the configuration from flags and environment; raise `ConfigError`."""
     env = os.environ if environ is None else environ
     args = vars(_parser().parse_args(list(argv)))
+    try:
+        pod = contract.PodEnv.from_environ(env)
+    except contract.PodEnvError as err:
+        raise ConfigError(str(err)) from None
     values: dict[str, Any] = {}
     for name in _FIELDS:
         if args[name] is not None:
             values[name] = _convert(name, args[name], f"flag {flag_of(name)}")
+        elif env_of(name) in contract.ENVIRONMENT:  # the pod's: typed and checked by the contract
+            values[name] = pod.value(env_of(name))
         elif env.get(env_of(name), "") != "":
             values[name] = _convert(name, env[env_of(name)], f"environment variable {env_of(name)}")
     config = TrainerConfig(**values)

@@ -24,6 +24,7 @@ import os
 import secrets
 import socket
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -68,24 +69,19 @@ class Gang:
     collective_timeout: float = 60.0
 
     @classmethod
-    def from_env(cls, environ: os._Environ[str] | dict[str, str] | None = None, **overrides: object) -> Gang:
-        env = os.environ if environ is None else environ
-
-        def number(name: str, default: int) -> int:
-            raw = env.get(name, "")
-            try:
-                return int(raw) if raw != "" else default
-            except ValueError:
-                raise RendezvousError(f"environment variable {name}={raw!r} is not an integer") from None
-
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: object) -> Gang:
+        try:
+            env = contract.PodEnv.from_environ(os.environ if environ is None else environ)
+        except contract.PodEnvError as err:
+            raise RendezvousError(str(err)) from None
         values: dict[str, object] = {
-            "rank": number(contract.ENV_RANK, 0),
-            "world_size": number(contract.ENV_WORLD_SIZE, 1),
-            "local_rank": number(contract.ENV_LOCAL_RANK, 0),
-            "local_world_size": number(contract.ENV_LOCAL_WORLD_SIZE, 1),
-            "master_addr": env.get(contract.ENV_MASTER_ADDR) or "127.0.0.1",
-            "master_port": number(contract.ENV_MASTER_PORT, 29500),
-            "generation": number(contract.ENV_GENERATION, 0),
+            "rank": env.rank,
+            "world_size": env.world_size,
+            "local_rank": env.local_rank,
+            "local_world_size": env.local_world_size,
+            "master_addr": env.master_addr,
+            "master_port": env.master_port,
+            "generation": env.generation,
         }
         values.update(overrides)
         gang = cls(**values)  # type: ignore[arg-type]

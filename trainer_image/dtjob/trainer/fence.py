@@ -121,7 +121,7 @@ class Fence:
 def claim(root: Path | None, rank: int, generation: int) -> Fence | None:
     """Rank 0 claims `root` and watches the claim; None on other ranks, without a directory, or
     without the job's uid in the environment."""
-    job_uid = os.environ.get(contract.ENV_JOB_UID, "")
+    job_uid = contract.PodEnv.from_environ().job_uid
     if rank != 0 or root is None or not job_uid:
         return None
     fence = Fence(root, job_uid, generation)

@@ -225,11 +225,7 @@ def leave_failed(rank: int, why: str) -> None:
 
 def start(gang_prefix: str, host: str, port: int, rank: int, world_size: int) -> Heartbeat | None:
     """Start watching the gang (timeout from DTJOB_HEARTBEAT_TIMEOUT, default 10 s; 0: off)."""
-    raw = os.environ.get(contract.ENV_HEARTBEAT_TIMEOUT, "")
-    try:
-        timeout = float(raw) if raw else 10.0
-    except ValueError:
-        raise ValueError(f"{contract.ENV_HEARTBEAT_TIMEOUT}={raw!r} is not a number of seconds") from None
+    timeout = contract.PodEnv.from_environ().heartbeat_timeout
     if world_size < 2 or timeout <= 0:
         return None
     beat = Heartbeat(host, port, rank, world_size, f"{gang_prefix}/hb", timeout)

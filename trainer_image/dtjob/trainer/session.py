@@ -121,27 +121,23 @@ class ElasticSession:
         )
         g = self.gang
         _log_to_stderr(g.rank)
-        self.device = resolve_device(device or os.environ.get(contract.ENV_DEVICE) or "auto", g.local_rank)
+        env = contract.PodEnv.from_environ()
+        self.device = resolve_device(device or env.device, g.local_rank)
         self.seed = seed
         self.config = dict(config or {})
         self.checkpoint_every = checkpoint_every
         gate = step_gate or os.environ.get(ENV_STEP_GATE)
         self._gate = Path(gate) if gate else None
-        directory = (
-            checkpoint_dir if checkpoint_dir is not None else os.environ.get(contract.ENV_CHECKPOINT_DIR)
-        )
+        directory = checkpoint_dir if checkpoint_dir is not None else env.checkpoint_dir
         self.checkpoint_dir = Path(directory) if directory else None
-        port = (
-            metrics_port if metrics_port is not None else int(os.environ.get(contract.ENV_METRICS_PORT) or 0)
-        )
+        port = metrics_port if metrics_port is not None else env.metrics_port
         self.metrics = TrainerMetrics()
         self.metrics.world_size.set(g.world_size)
         self.metrics.generation.set(g.generation)
         self.metrics.rank.set(g.rank)
         # Restarts in place of this generation before this process (dtjob.launcher's agents).
-        self.in_place_restarts = int(os.environ.get(contract.ENV_IN_PLACE_RESTARTS) or 0)
-        cause = os.environ.get(contract.ENV_RESTART_CAUSE) or ""
-        self.metrics.in_place_restarts.labels(cause).set(self.in_place_restarts)
+        self.in_place_restarts = env.in_place_restarts
+        self.metrics.in_place_restarts.labels(env.restart_cause).set(self.in_place_restarts)
         if port:
             try:
                 self.metrics.serve(port + g.local_rank)

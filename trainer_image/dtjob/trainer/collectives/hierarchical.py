@@ -24,18 +24,18 @@ torchrun with one --nproc-per-node set it so); auto checks that before it consid
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from dtjob import contract
 from dtjob.trainer.collectives import ring
 from dtjob.trainer.collectives.errors import InvalidArgument
 from dtjob.trainer.collectives.peers import Peers, balanced_bounds
 from dtjob.trainer.collectives.reduce_ops import Reduction
 
-LOCAL_WORLD_SIZE_ENV = "LOCAL_WORLD_SIZE"
+LOCAL_WORLD_SIZE_ENV = contract.ENV_LOCAL_WORLD_SIZE
 
 
 @dataclass(frozen=True)
@@ -63,16 +63,11 @@ def local_world_size(explicit: int | None) -> int:
         if not isinstance(explicit, int) or explicit < 1:
             raise InvalidArgument(f"local_world_size must be a whole number >= 1, got {explicit!r}")
         return explicit
-    text = os.environ.get(LOCAL_WORLD_SIZE_ENV, "")
-    if not text:
-        return 1
     try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise InvalidArgument(f"{LOCAL_WORLD_SIZE_ENV}={text!r}: expected a whole number >= 1")
-    return value
+        local: int = contract.PodEnv.read(contract.ENV_LOCAL_WORLD_SIZE)
+        return local
+    except contract.PodEnvError as err:
+        raise InvalidArgument(str(err)) from None
 
 
 def pod_layout(global_ranks: Sequence[int], local_size: int) -> PodLayout | str:
