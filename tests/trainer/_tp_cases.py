@@ -205,8 +205,21 @@ def _errors(case: dict[str, Any]) -> dict[str, Any]:
         model.head.weight = model.emb.weight
         return model
 
+    def wrapped(wrap: Any) -> str:
+        try:
+            wrap(tensor_parallel(TinyLM(), TINY_PLAN))
+        except (ValueError, NotImplementedError) as e:
+            return str(e)
+        return "accepted"
+
+    from dtjob.trainer import data_parallel, fully_shard
+    from dtjob.trainer.train_state import local_shards_of
+
     plan = dict(TINY_PLAN)
     return {
+        "dp_over_tp_group": wrapped(data_parallel),
+        "fully_shard": wrapped(fully_shard),
+        "checkpoint": wrapped(local_shards_of),
         "no_match": message(TinyLM, {**plan, "blocks.*.mlp.up": "colwise"}),
         "indivisible": message(lambda: TinyLM(width=21, heads=3), plan),
         "dropout": message(dropout_lm, plan),

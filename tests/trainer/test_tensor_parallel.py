@@ -94,6 +94,10 @@ def test_refused_plans_name_the_field(world2: list[dict[str, Any]]) -> None:
     assert "'emb' is an nn.Embedding" in errors["embedding_colwise"]
     assert "emb.weight is tied to head.weight" in errors["half_tied"] and "add 'emb'" in errors["half_tied"]
     assert "'blocks.0.ln1' is a LayerNorm" in errors["not_linear"]
+    # Wrappers whose result would be silently wrong (rank 0's shards broadcast over the others).
+    assert "holds ranks [0, 1] of one tensor-parallel group; pass group=" in errors["dp_over_tp_group"]
+    assert "fully_shard() of a tensor_parallel model is not supported" in errors["fully_shard"]
+    assert "save full_state_dict(model)" in errors["checkpoint"]
 
 
 @pytest.mark.slow

@@ -37,6 +37,7 @@ from dtjob.trainer.parallel import common
 from dtjob.trainer.parallel.comm import Comm
 from dtjob.trainer.parallel.ddp.buckets import Bucket, MiB, assign_buckets, make_bucket
 from dtjob.trainer.parallel.shards import LocalShard
+from dtjob.trainer.parallel.tp.module import check_wrappable, refuse_checkpoint_shards, tp_state
 
 _WIRE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 _INSTEAD_SHARDING = (
@@ -158,9 +159,13 @@ class DataParallel(common.Wrapper):
 
     # -- checkpoints (parallel/shards.py) -------------------------------------------------------
     def local_shards(self) -> list[LocalShard]:
+        if tp_state(self.module) is not None:
+            return refuse_checkpoint_shards()
         return [LocalShard.replicated(n, p, self.comm.rank, self.comm.size) for n, p in self._named.items()]
 
     def local_buffers(self) -> list[LocalShard]:
+        if tp_state(self.module) is not None:
+            return refuse_checkpoint_shards()
         buffers = common.persistent_buffers(self.module)
         return [LocalShard.replicated(n, b, self.comm.rank, self.comm.size) for n, b in buffers.items()]
 
@@ -291,9 +296,11 @@ def data_parallel(
         raise ValueError(f"data_parallel: the model is already wrapped ({type(model).__name__})")
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError("data_parallel: the model has no parameter that requires a gradient")
+    comm = Comm(collective, group)
+    check_wrappable(model, "data_parallel", comm)
     return DataParallel(
         model,
-        Comm(collective, group),
+        comm,
         bucket_mb=bucket_mb,
         first_bucket_mb=first_bucket_mb,
         grad_compression=grad_compression,

@@ -12,6 +12,7 @@ from torch import nn
 
 from dtjob.trainer.parallel.comm import Comm
 from dtjob.trainer.parallel.common import NotSupported, Wrapper
+from dtjob.trainer.parallel.shards import LocalShard
 from dtjob.trainer.parallel.tp.layers import Sharder, ShardSpec, gather_full, parallelize
 from dtjob.trainer.parallel.tp.ops import vocab_parallel_cross_entropy
 from dtjob.trainer.parallel.tp.plans import auto_plan, check_heads, localize_heads
@@ -34,6 +35,36 @@ def tp_state(model: nn.Module) -> TPState | None:
     """The TPState of a model `tensor_parallel` split, else None."""
     state = model.__dict__.get(_STATE)
     return state if isinstance(state, TPState) else None
+
+
+def check_wrappable(model: nn.Module, wrapper: str, comm: Comm | None = None) -> None:
+    """Refuse wrapping a tensor-parallel model where the result would be silently wrong: any
+    wrapper but data_parallel, or data_parallel over a group holding two ranks of one TP group
+    (its broadcast of rank 0's parameters would overwrite the other ranks' shards)."""
+    state = tp_state(model)
+    if state is None:
+        return
+    if wrapper != "data_parallel" or comm is None:
+        raise NotSupported(
+            f"{wrapper}() of a tensor_parallel model is not supported yet; use "
+            "data_parallel(model, group=<data-parallel group>) over it"
+        )
+    tp_ranks = {state.comm.global_rank(r) for r in range(state.comm.size)}
+    dp_ranks = {comm.global_rank(r) for r in range(comm.size)}
+    if len(tp_ranks & dp_ranks) > 1:
+        raise ValueError(
+            f"data_parallel: its group holds ranks {sorted(tp_ranks & dp_ranks)} of one tensor-parallel "
+            "group; pass group= the data-parallel group (one rank of each TP group: ranks r, r+T, r+2T, ...)"
+        )
+
+
+def refuse_checkpoint_shards() -> list[LocalShard]:
+    """What a tensor-parallel model answers to the checkpoint code (TrainState): its shards are not
+    flat ranges of their parameters, which a checkpoint file holds."""
+    raise NotSupported(
+        "checkpoints of a tensor_parallel model (TrainState, ElasticSession) are not supported yet; "
+        "save full_state_dict(model) on rank 0 and load it into the unwrapped model before splitting"
+    )
 
 
 def _resolve(model: nn.Module, plan: dict[str, str]) -> dict[str, tuple[nn.Module, str]]:
@@ -153,6 +184,8 @@ def tensor_parallel(
     if any(kind == "vocab" and not isinstance(m, nn.Embedding) for m, kind in targets.values()):
         _intercept_labels(model, comm)
     object.__setattr__(model, _STATE, TPState(comm, dict(plan), sharder.specs))
+    for method in ("local_shards", "local_buffers"):  # what train_state.local_shards_of asks
+        object.__setattr__(model, method, refuse_checkpoint_shards)
     return model
 
 
