@@ -122,6 +122,8 @@ def reference(case: dict[str, Any]) -> tuple[list[float], dict[str, torch.Tensor
     for step in range(case.get("steps", 10)):
         loss = loss_of(model, batch(case, step), case, tp_group=False)
         loss.backward()
+        if case.get("clip"):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), case["clip"])
         opt.step()
         opt.zero_grad()
         losses.append(float(loss.detach()))
@@ -153,15 +155,18 @@ def _train(case: dict[str, Any]) -> dict[str, Any]:
     if dp_size > 1:
         model = data_parallel(model, group=dp_group)
     opt = optimizer(model)
-    losses = []
+    losses: list[float] = []
+    norms: list[float] = []
     for step in range(case.get("steps", 10)):
         tokens = batch(case, step).chunk(dp_size)[dp_rank]
         loss = loss_of(model, tokens, case, tp_group)
         loss.backward()
+        if case.get("clip"):  # the user's torch call: it counts every TP rank's shards
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), case["clip"])))
         opt.step()
         opt.zero_grad()
         losses.append(float(loss.detach()))
-    return {"losses": losses, "state": full_state_dict(model), "local_shapes": shapes}
+    return {"losses": losses, "state": full_state_dict(model), "local_shapes": shapes, "norms": norms}
 
 
 def _ce(case: dict[str, Any]) -> dict[str, Any]:

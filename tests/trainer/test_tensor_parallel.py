@@ -14,7 +14,11 @@ import torch.nn.functional as F
 from tests.trainer._tp_cases import reference, run_tp_world
 
 MODELS = ("hf-gpt2", "hf-llama", "tiny-lm")
-TRAIN = [{"name": f"{m}-tp2", "kind": "train", "model": m, "tp": 2} for m in MODELS]
+# The user's model clips its gradients (max norm 0.5: every step clips, the norms are 1-3).
+TRAIN = [
+    {"name": f"{m}-tp2", "kind": "train", "model": m, "tp": 2, "clip": 0.5 if m == "tiny-lm" else None}
+    for m in MODELS
+]
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +36,11 @@ def check_training(results: list[dict[str, Any]], case: dict[str, Any]) -> None:
     dp = len(results) // case["tp"]
     # Each data-parallel replica's loss is of its part of the batch: their mean is the batch's.
     got_losses = [sum(results[d * case["tp"]][name]["losses"][s] for d in range(dp)) / dp for s in range(10)]
+    if case["clip"]:
+        for r, result in enumerate(results):
+            assert result[name]["norms"] == results[0][name]["norms"], (
+                f"{name}: rank {r}'s gradient norms differ"
+            )
     for step, (got, want) in enumerate(zip(got_losses, want_losses, strict=True)):
         assert abs(got - want) <= 1e-5 * abs(want), f"{name}: step {step} loss {got} vs {want}"
     state = results[0][name]["state"]

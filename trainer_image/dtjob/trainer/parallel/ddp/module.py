@@ -37,7 +37,12 @@ from dtjob.trainer.parallel import common
 from dtjob.trainer.parallel.comm import Comm
 from dtjob.trainer.parallel.ddp.buckets import Bucket, MiB, assign_buckets, make_bucket
 from dtjob.trainer.parallel.shards import LocalShard
-from dtjob.trainer.parallel.tp.module import check_wrappable, refuse_checkpoint_shards, tp_state
+from dtjob.trainer.parallel.tp.module import (
+    check_wrappable,
+    mark_bucket_grads,
+    refuse_checkpoint_shards,
+    tp_state,
+)
 
 _WIRE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 _INSTEAD_SHARDING = (
@@ -298,7 +303,7 @@ def data_parallel(
         raise ValueError("data_parallel: the model has no parameter that requires a gradient")
     comm = Comm(collective, group)
     check_wrappable(model, "data_parallel", comm)
-    return DataParallel(
+    wrapped = DataParallel(
         model,
         comm,
         bucket_mb=bucket_mb,
@@ -307,3 +312,6 @@ def data_parallel(
         broadcast_buffers=broadcast_buffers,
         mixed_precision=mixed_precision,
     )
+    views = ((p, v) for b in wrapped.buckets for p, v in zip(b.params, b.grad_views, strict=True))
+    mark_bucket_grads(model, views)  # a tensor_parallel model's shards, for clip_grad_norm_
+    return wrapped

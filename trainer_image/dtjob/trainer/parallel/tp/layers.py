@@ -87,6 +87,10 @@ class Sharder:
         self._names[id(full)] = f"{where}.{attr}"
         self.specs[id(piece)] = spec
 
+    def pieces(self) -> list[nn.Parameter]:
+        """Every shard made, once each."""
+        return list(self._done.values())
+
     def split_originals(self) -> dict[int, str]:
         """id(full parameter) -> its name, for every parameter replaced by a shard."""
         return dict(self._names)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fnmatch
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dtjob.trainer.parallel import clip
 from dtjob.trainer.parallel.comm import Comm
 from dtjob.trainer.parallel.common import NotSupported, Wrapper
 from dtjob.trainer.parallel.shards import LocalShard
@@ -56,6 +58,17 @@ def check_wrappable(model: nn.Module, wrapper: str, comm: Comm | None = None) ->
             f"data_parallel: its group holds ranks {sorted(tp_ranks & dp_ranks)} of one tensor-parallel "
             "group; pass group= the data-parallel group (one rank of each TP group: ranks r, r+T, r+2T, ...)"
         )
+
+
+def mark_bucket_grads(model: nn.Module, grads: Iterable[tuple[nn.Parameter, torch.Tensor]]) -> None:
+    """data_parallel over a TP model: its persistent gradient views of the shards are pieces of a
+    gradient spread over the TP group, for clip_grad_norm_ (the views replace autograd's .grad)."""
+    state = tp_state(model)
+    if state is None:
+        return
+    for param, grad in grads:
+        if id(param) in state.specs:
+            clip.mark(grad, state.comm)
 
 
 def refuse_checkpoint_shards() -> list[LocalShard]:
@@ -184,6 +197,15 @@ def tensor_parallel(
     if any(kind == "vocab" and not isinstance(m, nn.Embedding) for m, kind in targets.values()):
         _intercept_labels(model, comm)
     object.__setattr__(model, _STATE, TPState(comm, dict(plan), sharder.specs))
+
+    def mark(piece: torch.Tensor) -> None:
+        assert piece.grad is not None
+        clip.mark(piece.grad, comm)
+
+    for piece in sharder.pieces():
+        # clip_grad_norm_ then sums the shards' norms over the TP group (parallel/clip.py).
+        piece.register_post_accumulate_grad_hook(mark)
+    clip.install()
     for method in ("local_shards", "local_buffers"):  # what train_state.local_shards_of asks
         object.__setattr__(model, method, refuse_checkpoint_shards)
     return model
