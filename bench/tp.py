@@ -50,13 +50,18 @@ def _worker(rank: int, args: Any, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{out}/rv", rank=rank, world_size=2)
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        ParallelStyle,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     from dtjob.trainer import tensor_parallel
 
     plan = {"*.up": "colwise", "*.down": "rowwise"}
     mesh = init_device_mesh("cpu", (2,))
-    torch_plan = {f"{i}.{name}": style for i in range(args.depth) for name, style in
+    torch_plan: dict[str, ParallelStyle] = {f"{i}.{name}": style for i in range(args.depth) for name, style in
                   (("up", ColwiseParallel()), ("down", RowwiseParallel()))}  # fmt: skip
     models: dict[str, nn.Module] = {
         "dtjob": tensor_parallel(build(args.width, args.depth), plan),
