@@ -210,6 +210,14 @@ def _errors(case: dict[str, Any]) -> dict[str, Any]:
         model.head.weight = model.emb.weight
         return model
 
+    def generate_message() -> str:
+        model: Any = tensor_parallel(hf_model("hf-gpt2"), "auto")
+        try:
+            model.generate(torch.zeros(1, 2, dtype=torch.long), max_new_tokens=2)
+        except NotImplementedError as e:
+            return str(e)
+        return "accepted"
+
     def wrapped(wrap: Any) -> str:
         try:
             wrap(tensor_parallel(TinyLM(), TINY_PLAN))
@@ -225,6 +233,7 @@ def _errors(case: dict[str, Any]) -> dict[str, Any]:
         "dp_over_tp_group": wrapped(data_parallel),
         "fully_shard": wrapped(fully_shard),
         "checkpoint": wrapped(local_shards_of),
+        "generate": generate_message(),
         "no_match": message(TinyLM, {**plan, "blocks.*.mlp.up": "colwise"}),
         "indivisible": message(lambda: TinyLM(width=21, heads=3), plan),
         "dropout": message(dropout_lm, plan),

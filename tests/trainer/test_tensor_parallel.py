@@ -107,6 +107,7 @@ def test_refused_plans_name_the_field(world2: list[dict[str, Any]]) -> None:
     assert "holds ranks [0, 1] of one tensor-parallel group; pass group=" in errors["dp_over_tp_group"]
     assert "fully_shard() of a tensor_parallel model is not supported" in errors["fully_shard"]
     assert "save full_state_dict(model)" in errors["checkpoint"]
+    assert "generate() of a tensor_parallel model" in errors["generate"]
 
 
 @pytest.mark.slow

@@ -127,6 +127,13 @@ def _is_causal_lm(model: nn.Module) -> bool:
     return hasattr(model, "config") and (name.endswith("ForCausalLM") or name.endswith("LMHeadModel"))
 
 
+def _refuse_generate(*args: Any, **kwargs: Any) -> Any:
+    raise NotSupported(
+        "generate() of a tensor_parallel model with a vocab-split head is not supported (its logits are "
+        "this rank's vocabulary slice); generate with the unwrapped model loaded from full_state_dict(model)"
+    )
+
+
 def _intercept_labels(model: nn.Module, comm: Comm) -> None:
     """A Hugging Face causal LM with a vocab-split head would compute its loss from this rank's
     slice of the logits: take `labels=` and compute the loss with vocab_parallel_cross_entropy."""
@@ -148,6 +155,8 @@ def _intercept_labels(model: nn.Module, comm: Comm) -> None:
         return out
 
     object.__setattr__(model, "forward", forward)
+    if callable(getattr(model, "generate", None)):  # it would pick tokens from this rank's slice
+        object.__setattr__(model, "generate", _refuse_generate)
 
 
 def tensor_parallel(
