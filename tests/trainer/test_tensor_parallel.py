@@ -1,6 +1,6 @@
 """tensor_parallel against one process running the unwrapped model (fp32, AdamW, 10 steps): HF
 GPT-2 (fused c_attn, tied vocab-split wte/lm_head), HF Llama and a user's own transformer with an
-explicit plan, at TP=2 (world 2) and TP=2 x DP=2 (world 4); the vocab-parallel cross-entropy
+explicit plan, at TP=2 (world 2), TP=2 x DP=2 and TP=4 (world 4); the vocab-parallel cross-entropy
 against F.cross_entropy; refused plans. Real gloo groups (tests/trainer/_tp_cases.py)."""
 
 from __future__ import annotations
@@ -110,9 +110,20 @@ def test_refused_plans_name_the_field(world2: list[dict[str, Any]]) -> None:
     assert "generate() of a tensor_parallel model" in errors["generate"]
 
 
+@pytest.fixture(scope="module")
+def world4() -> list[dict[str, Any]]:
+    """TP=2 x DP=2 for every model, and TP=4 for the user's model (GPT-2's 2 and Llama's 2 kv
+    heads do not split 4 ways)."""
+    tp4 = {"name": "tiny-lm-tp4", "kind": "train", "model": "tiny-lm", "tp": 4, "clip": 0.5}
+    return run_tp_world(4, [*({**c, "name": c["name"] + "-dp2"} for c in TRAIN), tp4])
+
+
 @pytest.mark.slow
-def test_tp2_by_dp2_equals_one_process() -> None:
-    cases = [{**c, "name": c["name"] + "-dp2"} for c in TRAIN if c["model"] != "hf-gpt2"]
-    results = run_tp_world(4, cases)
-    for case in cases:
-        check_training(results, case)
+@pytest.mark.parametrize("case", TRAIN, ids=[c["name"] + "-dp2" for c in TRAIN])
+def test_tp2_by_dp2_equals_one_process(world4: list[dict[str, Any]], case: dict[str, Any]) -> None:
+    check_training(world4, {**case, "name": case["name"] + "-dp2"})
+
+
+@pytest.mark.slow
+def test_tp4_equals_one_process(world4: list[dict[str, Any]]) -> None:
+    check_training(world4, {"name": "tiny-lm-tp4", "model": "tiny-lm", "tp": 4, "clip": 0.5})
