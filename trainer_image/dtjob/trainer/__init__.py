@@ -3,9 +3,10 @@ trainer (`python -m dtjob.trainer`) that is one user of it.
 
     from dtjob.trainer import data_parallel, fully_shard, pipeline, full_state_dict, ElasticSession
 
-data_parallel, fully_shard, pipeline and full_state_dict are documented in dtjob.trainer.parallel;
-ElasticSession (the operator's elastic contract for any script) in dtjob.trainer.session. The
-names are imported on first use, so `python -m dtjob.trainer --bad-flag` answers before torch loads.
+data_parallel, fully_shard, pipeline, tensor_parallel and full_state_dict are documented in
+dtjob.trainer.parallel; ElasticSession (the operator's elastic contract for any script) in
+dtjob.trainer.session. The names are imported on first use, so `python -m dtjob.trainer
+--bad-flag` answers before torch loads.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ if TYPE_CHECKING:
     from dtjob.trainer.parallel import full_state_dict as full_state_dict
     from dtjob.trainer.parallel import fully_shard as fully_shard
     from dtjob.trainer.parallel import pipeline as pipeline
+    from dtjob.trainer.parallel import tensor_parallel as tensor_parallel
+    from dtjob.trainer.parallel import vocab_parallel_cross_entropy as vocab_parallel_cross_entropy
     from dtjob.trainer.session import ElasticSession as ElasticSession
 
 _PUBLIC = {
@@ -28,6 +31,8 @@ _PUBLIC = {
     "pipeline": "dtjob.trainer.parallel",
     "full_state_dict": "dtjob.trainer.parallel",
     "clip_grad_norm_": "dtjob.trainer.parallel",
+    "tensor_parallel": "dtjob.trainer.parallel",
+    "vocab_parallel_cross_entropy": "dtjob.trainer.parallel",
     "ElasticSession": "dtjob.trainer.session",
     "GlobalBatchSampler": "dtjob.trainer.data",
 }

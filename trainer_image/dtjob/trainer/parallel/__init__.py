@@ -4,6 +4,7 @@
     model = fully_shard(model, zero_stage=3)      # ZeRO 1/2/3, sharded by rows
     pipe = pipeline(model, stages=2, microbatches=4, schedule="1f1b")   # GPipe / 1F1B, DP x PP
     state = full_state_dict(model)                # the unsharded weights on rank 0
+    model = tensor_parallel(model, plan="auto")   # Megatron TP, in place (tp/)
 
 `torch.distributed` must be initialised first; each wrapper spans the default process group
 (or `group=`). Every rank passes an identically constructed model on its device. The wrappers
@@ -12,7 +13,8 @@ one wrapper at one world size loads into another at another (the pipeline needs 
 
 Layout: comm.py (the data path: dtjob collectives or native), common.py (shared pieces),
 clip.py (gradient norms over shards), ddp/, fsdp/ (ZeRO 1/2/3), pp/ (pipeline: GPipe, 1F1B, DP x PP),
-state_dict.py (full_state_dict), syncbn.py (nn.SyncBatchNorm over a wrapper's replica group).
+tp/ (tensor parallel), state_dict.py (full_state_dict), syncbn.py (nn.SyncBatchNorm over a
+wrapper's replica group).
 
 Buffers (BatchNorm's running statistics) are rank 0's of each replica group: broadcast before a
 forward as torch's DDP does (`broadcast_buffers=True`, common.BufferBroadcast), and a checkpoint
@@ -33,6 +35,7 @@ from dtjob.trainer.parallel.fsdp import FullyShardedModule, fully_shard
 from dtjob.trainer.parallel.pp import Pipeline, pipeline
 from dtjob.trainer.parallel.shards import FetchRange, FlatShard, LocalShard, Sharded
 from dtjob.trainer.parallel.state_dict import full_state_dict
+from dtjob.trainer.parallel.tp import tensor_parallel, vocab_parallel_cross_entropy
 
 __all__ = [
     "COLLECTIVES",
@@ -49,4 +52,6 @@ __all__ = [
     "full_state_dict",
     "fully_shard",
     "pipeline",
+    "tensor_parallel",
+    "vocab_parallel_cross_entropy",
 ]

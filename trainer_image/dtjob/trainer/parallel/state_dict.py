@@ -14,6 +14,7 @@ from dtjob.trainer.parallel import common
 from dtjob.trainer.parallel.comm import Comm
 from dtjob.trainer.parallel.ddp import DataParallel
 from dtjob.trainer.parallel.fsdp import FullyShardedModule
+from dtjob.trainer.parallel.tp.module import tp_full_state_dict, tp_state
 
 
 def _keys_to_tensors(module: nn.Module) -> list[tuple[str, int]]:
@@ -77,12 +78,20 @@ def _sharded(wrapped: FullyShardedModule, rank0_only: bool) -> dict[str, torch.T
 def full_state_dict(wrapped: nn.Module, *, rank0_only: bool = True) -> dict[str, torch.Tensor]:
     """The plain model's state dict on rank 0 (every rank with rank0_only=False); {} elsewhere."""
     if isinstance(wrapped, FullyShardedModule):
+        if tp_state(wrapped.module) is not None:
+            raise NotImplementedError(
+                "full_state_dict: fully_shard over a tensor_parallel model is not supported yet; "
+                "use data_parallel(model, group=<data-parallel group>) over the TP model"
+            )
         return _sharded(wrapped, rank0_only)
     pipeline_state = getattr(wrapped, "full_state_dict", None)
     if callable(pipeline_state):  # a Pipeline gathers its stages itself
         result: dict[str, torch.Tensor] = pipeline_state(rank0_only=rank0_only)
         return result
     module: Any = wrapped.module if isinstance(wrapped, DataParallel) else wrapped
+    state = tp_state(module)
+    if state is not None:  # tensor_parallel (under data_parallel or not): gather the splits
+        return tp_full_state_dict(module, state, rank0_only)
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     if rank0_only and rank != 0:
         return {}

@@ -37,6 +37,12 @@ from dtjob.trainer.parallel import common, syncbn
 from dtjob.trainer.parallel.comm import Comm
 from dtjob.trainer.parallel.ddp.buckets import Bucket, MiB, assign_buckets, make_bucket
 from dtjob.trainer.parallel.shards import LocalShard
+from dtjob.trainer.parallel.tp.module import (
+    check_wrappable,
+    mark_bucket_grads,
+    refuse_checkpoint_shards,
+    tp_state,
+)
 
 _WIRE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 _INSTEAD_SHARDING = (
@@ -167,9 +173,13 @@ class DataParallel(common.Wrapper):
 
     # -- checkpoints (parallel/shards.py) -------------------------------------------------------
     def local_shards(self) -> list[LocalShard]:
+        if tp_state(self.module) is not None:
+            return refuse_checkpoint_shards()
         return [LocalShard.replicated(n, p, self.comm.rank, self.comm.size) for n, p in self._named.items()]
 
     def local_buffers(self) -> list[LocalShard]:
+        if tp_state(self.module) is not None:
+            return refuse_checkpoint_shards()
         buffers = common.persistent_buffers(self.module)
         return [LocalShard.from_replica0(n, b, self.comm.rank) for n, b in buffers.items()]
 
@@ -302,12 +312,17 @@ def data_parallel(
         raise ValueError(f"data_parallel: the model is already wrapped ({type(model).__name__})")
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError("data_parallel: the model has no parameter that requires a gradient")
-    return DataParallel(
+    comm = Comm(collective, group)
+    check_wrappable(model, "data_parallel", comm)
+    wrapped = DataParallel(
         model,
-        Comm(collective, group),
+        comm,
         bucket_mb=bucket_mb,
         first_bucket_mb=first_bucket_mb,
         grad_compression=grad_compression,
         broadcast_buffers=broadcast_buffers,
         mixed_precision=mixed_precision,
     )
+    views = ((p, v) for b in wrapped.buckets for p, v in zip(b.params, b.grad_views, strict=True))
+    mark_bucket_grads(model, views)  # a tensor_parallel model's shards, for clip_grad_norm_
+    return wrapped

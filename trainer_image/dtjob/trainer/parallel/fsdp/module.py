@@ -64,6 +64,7 @@ from dtjob.trainer.parallel.fsdp.flat import FlatUnit
 from dtjob.trainer.parallel.fsdp.grad_flags import GradFlags
 from dtjob.trainer.parallel.fsdp.unshard import Unsharding
 from dtjob.trainer.parallel.shards import LocalShard
+from dtjob.trainer.parallel.tp.module import check_wrappable
 
 log = logging.getLogger("dtjob.trainer.parallel")
 
@@ -598,6 +599,7 @@ def fully_shard(
         raise ValueError(f"fully_shard: zero_stage must be 1, 2 or 3, got {zero_stage!r}")
     if isinstance(model, common.Wrapper):
         raise ValueError(f"fully_shard: the model is already wrapped ({type(model).__name__})")
+    check_wrappable(model, "fully_shard")
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError("fully_shard: the model has no parameter that requires a gradient")
     chosen = auto_units(model) if units is None else common.resolve_modules(model, units, "fully_shard units")

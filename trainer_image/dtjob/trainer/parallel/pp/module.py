@@ -58,6 +58,7 @@ from dtjob.trainer.parallel.pp import boundary, wire
 from dtjob.trainer.parallel.pp.schedule import P2P, exchanges
 from dtjob.trainer.parallel.pp.split import auto_split, plan, spec_of, zeros_of
 from dtjob.trainer.parallel.shards import LocalShard
+from dtjob.trainer.parallel.tp.module import check_wrappable
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -787,6 +788,7 @@ def pipeline(
         raise ValueError(f"pipeline: schedule must be 'gpipe' or '1f1b', got {schedule!r}")
     if isinstance(model, common.Wrapper):
         raise ValueError(f"pipeline: the model is already wrapped ({type(model).__name__})")
+    check_wrappable(model, "pipeline")
     boundaries = list(split) if split is not None else (auto_split(model, stages) if stages > 1 else [])
     if len(boundaries) != stages - 1:
         raise ValueError(

@@ -1,0 +1,233 @@
+"""`tensor_parallel(model, plan)`: split a model's layers across the ranks of a group, in place."""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dtjob.trainer.parallel import clip
+from dtjob.trainer.parallel.comm import Comm
+from dtjob.trainer.parallel.common import NotSupported, Wrapper
+from dtjob.trainer.parallel.shards import LocalShard
+from dtjob.trainer.parallel.tp.layers import Sharder, ShardSpec, gather_full, parallelize
+from dtjob.trainer.parallel.tp.ops import vocab_parallel_cross_entropy
+from dtjob.trainer.parallel.tp.plans import auto_plan, check_heads, localize_heads
+
+
+@dataclass
+class TPState:
+    """What a tensor-parallel model remembers (`model._dtjob_tp`): its group and, per local shard
+    (by id), how it was cut from the full parameter."""
+
+    comm: Comm
+    plan: dict[str, str]
+    specs: dict[int, ShardSpec]
+
+
+_STATE = "_dtjob_tp"
+
+
+def tp_state(model: nn.Module) -> TPState | None:
+    """The TPState of a model `tensor_parallel` split, else None."""
+    state = model.__dict__.get(_STATE)
+    return state if isinstance(state, TPState) else None
+
+
+def check_wrappable(model: nn.Module, wrapper: str, comm: Comm | None = None) -> None:
+    """Refuse wrapping a tensor-parallel model where the result would be silently wrong: any
+    wrapper but data_parallel, or data_parallel over a group holding two ranks of one TP group
+    (its broadcast of rank 0's parameters would overwrite the other ranks' shards)."""
+    state = tp_state(model)
+    if state is None:
+        return
+    if wrapper != "data_parallel" or comm is None:
+        raise NotSupported(
+            f"{wrapper}() of a tensor_parallel model is not supported yet; use "
+            "data_parallel(model, group=<data-parallel group>) over it"
+        )
+    tp_ranks = {state.comm.global_rank(r) for r in range(state.comm.size)}
+    dp_ranks = {comm.global_rank(r) for r in range(comm.size)}
+    if len(tp_ranks & dp_ranks) > 1:
+        raise ValueError(
+            f"data_parallel: its group holds ranks {sorted(tp_ranks & dp_ranks)} of one tensor-parallel "
+            "group; pass group= the data-parallel group (one rank of each TP group: ranks r, r+T, r+2T, ...)"
+        )
+
+
+def mark_bucket_grads(model: nn.Module, grads: Iterable[tuple[nn.Parameter, torch.Tensor]]) -> None:
+    """data_parallel over a TP model: its persistent gradient views of the shards are pieces of a
+    gradient spread over the TP group, for clip_grad_norm_ (the views replace autograd's .grad)."""
+    state = tp_state(model)
+    if state is None:
+        return
+    for param, grad in grads:
+        if id(param) in state.specs:
+            clip.mark(grad, state.comm)
+
+
+def refuse_checkpoint_shards() -> list[LocalShard]:
+    """What a tensor-parallel model answers to the checkpoint code (TrainState): its shards are not
+    flat ranges of their parameters, which a checkpoint file holds."""
+    raise NotSupported(
+        "checkpoints of a tensor_parallel model (TrainState, ElasticSession) are not supported yet; "
+        "save full_state_dict(model) on rank 0 and load it into the unwrapped model before splitting"
+    )
+
+
+def _resolve(model: nn.Module, plan: dict[str, str]) -> dict[str, tuple[nn.Module, str]]:
+    """Module name -> (module, kind) for every plan pattern; every pattern must match."""
+    named = dict(model.named_modules())
+    out: dict[str, tuple[nn.Module, str]] = {}
+    for pattern, kind in plan.items():
+        hits = [name for name in named if name and fnmatch.fnmatchcase(name, pattern)]
+        if not hits:
+            raise ValueError(
+                f"tensor_parallel: plan pattern {pattern!r} matches no module of {type(model).__name__}"
+            )
+        for name in hits:
+            if name in out and out[name][1] != kind:
+                raise ValueError(
+                    f"tensor_parallel: {name!r} is matched as both {out[name][1]!r} and {kind!r}"
+                )
+            out[name] = (named[name], kind)
+    return out
+
+
+def _refuse_dropout(model: nn.Module) -> None:
+    for name, m in model.named_modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
+            raise ValueError(
+                f"tensor_parallel: {name} is a dropout with p={m.p}: dropout is not supported (its random "
+                "masks are not coordinated across the TP ranks); set p=0"
+            )
+
+
+def _refuse_half_tied(model: nn.Module, targets: dict[str, tuple[nn.Module, str]], sharder: Sharder) -> None:
+    """A parameter split in one module but tied to a module outside the plan would silently untie."""
+    split = sharder.split_originals()
+    for name, m in model.named_modules():
+        if name in targets:
+            continue
+        for attr, p in m.named_parameters(recurse=False):
+            if id(p) in split:
+                raise ValueError(
+                    f"tensor_parallel: {name}.{attr} is tied to {split[id(p)]}, which the plan splits; "
+                    f"add {name!r} to the plan with the same kind"
+                )
+
+
+def _is_causal_lm(model: nn.Module) -> bool:
+    name = type(model).__name__
+    return hasattr(model, "config") and (name.endswith("ForCausalLM") or name.endswith("LMHeadModel"))
+
+
+def _refuse_generate(*args: Any, **kwargs: Any) -> Any:
+    raise NotSupported(
+        "generate() of a tensor_parallel model with a vocab-split head is not supported (its logits are "
+        "this rank's vocabulary slice); generate with the unwrapped model loaded from full_state_dict(model)"
+    )
+
+
+def _intercept_labels(model: nn.Module, comm: Comm) -> None:
+    """A Hugging Face causal LM with a vocab-split head would compute its loss from this rank's
+    slice of the logits: take `labels=` and compute the loss with vocab_parallel_cross_entropy."""
+    original = model.forward
+    causal = _is_causal_lm(model)
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        labels = kwargs.pop("labels", None)
+        if labels is None:
+            return original(*args, **kwargs)
+        if not causal:
+            raise NotSupported(
+                f"tensor_parallel: {type(model).__name__}(labels=...) with a vocab-split head; compute the "
+                "loss with dtjob.trainer.vocab_parallel_cross_entropy(logits_shard, targets, group)"
+            )
+        out = original(*args, **kwargs)
+        logits = out.logits[..., :-1, :]
+        out.loss = vocab_parallel_cross_entropy(logits, labels[..., 1:].to(logits.device), comm)
+        return out
+
+    object.__setattr__(model, "forward", forward)
+    if callable(getattr(model, "generate", None)):  # it would pick tokens from this rank's slice
+        object.__setattr__(model, "generate", _refuse_generate)
+
+
+def tensor_parallel(
+    model: nn.Module,
+    plan: dict[str, str] | str,
+    *,
+    group: dist.ProcessGroup | None = None,
+    collective: str = "auto",
+) -> nn.Module:
+    """Split `model`'s layers over the ranks of `group` (default: the whole world), in place, and
+    return it (as torch's `parallelize_module` does).
+
+    plan: {fnmatch pattern of module names: kind} (`*` matches across dots too), kinds "colwise",
+    "colwise_qkv", "rowwise", "vocab" (see tp/layers.py), or "auto" for Hugging Face GPT-2 and
+    Llama. Each split parameter keeps its name and becomes this rank's shard, with its local shape
+    (rank r holds the r-th of T equal slices along the split dimension); the optimizer is built on
+    the returned model. Every rank runs the same batch; the loss is replicated. A "vocab" LM head
+    outputs this rank's slice of the logits: use `vocab_parallel_cross_entropy`, or pass
+    `labels=` to a Hugging Face causal LM (its loss is then computed that way).
+    Attention: split q/k/v colwise and the output projection rowwise, so each rank runs its
+    heads; the attention must reshape with -1 heads (Llama's does) or have its head count made
+    local (GPT-2's is, here). Refused: a pattern matching nothing, a size not divisible by the TP
+    size, dropout with p > 0, an already wrapped model.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "tensor_parallel() needs torch.distributed.init_process_group() to be called first"
+        )
+    if isinstance(model, Wrapper) or tp_state(model) is not None:
+        raise ValueError(
+            f"tensor_parallel: the model is already wrapped ({type(model).__name__}); apply tensor_parallel "
+            "first, then data_parallel(model, group=<data-parallel group>)"
+        )
+    comm = Comm(collective, group)
+    plan = auto_plan(model) if plan == "auto" else plan
+    if not isinstance(plan, dict):
+        raise ValueError(f"tensor_parallel: plan must be a dict of pattern -> kind or 'auto', got {plan!r}")
+    targets = _resolve(model, plan)
+    _refuse_dropout(model)
+    check_heads(model, comm.size)
+    sharder = Sharder(comm)
+    with torch.no_grad():
+        for name, (module, kind) in targets.items():
+            parallelize(module, kind, name, sharder)
+    _refuse_half_tied(model, targets, sharder)
+    localize_heads(model, comm.size)
+    if any(kind == "vocab" and not isinstance(m, nn.Embedding) for m, kind in targets.values()):
+        _intercept_labels(model, comm)
+    object.__setattr__(model, _STATE, TPState(comm, dict(plan), sharder.specs))
+
+    def mark(piece: torch.Tensor) -> None:
+        assert piece.grad is not None
+        clip.mark(piece.grad, comm)
+
+    for piece in sharder.pieces():
+        # clip_grad_norm_ then sums the shards' norms over the TP group (parallel/clip.py).
+        piece.register_post_accumulate_grad_hook(mark)
+    clip.install()
+    for method in ("local_shards", "local_buffers"):  # what train_state.local_shards_of asks
+        object.__setattr__(model, method, refuse_checkpoint_shards)
+    return model
+
+
+def tp_full_state_dict(model: nn.Module, state: TPState, rank0_only: bool) -> dict[str, torch.Tensor]:
+    """The unsplit model's state dict: every split parameter gathered over the TP group (all ranks
+    of it must call this), on global rank 0 (everywhere with rank0_only=False)."""
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in model.state_dict(keep_vars=True).items():
+        spec = state.specs.get(id(tensor))
+        full = gather_full(tensor, spec, state.comm) if spec is not None else tensor.detach()
+        out[key] = full.cpu().clone()
+    if rank0_only and dist.get_rank() != 0:
+        return {}
+    return out
