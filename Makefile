@@ -32,19 +32,20 @@ test: venv
 # The trainer's quick tests again at the floor of pyproject's torch range (#41): torch 2.11, the
 # GPU machine's (bench/gpu_check.py). Its own venv, without --system-site-packages (2.15 must not
 # leak in) and without the project installed: the sources on PYTHONPATH as on the GPU machine, and
-# no pydantic or kopf. Built once: 2.5 minutes (6 on a busy machine) and 3.8 GB, 4.7 GB once the
+# transformers (as there), no pydantic or kopf. Built once: 2.5 minutes (6 on a busy machine) and 3.8 GB, 4.7 GB once the
 # tests wrote their bytecode (PyPI's Linux wheel is the CUDA build, whose nvidia-* libraries
 # `import torch` loads even on a CPU-only machine). The tests: 1.3-2 minutes.
 FLOOR_VENV := .venv-floor
 FLOOR_TORCH := 2.11.0
-FLOOR_STAMP := $(FLOOR_VENV)/.installed-torch-$(FLOOR_TORCH)
+FLOOR_STAMP := $(FLOOR_VENV)/.installed-torch-$(FLOOR_TORCH)-transformers
 FLOOR_TESTS := tests/trainer tests/unit/test_launcher_units.py tests/unit/test_fence.py
 $(FLOOR_STAMP):
 	rm -rf $(FLOOR_VENV)
 	$(PYTHON) -m venv $(FLOOR_VENV)
 	$(FLOOR_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(FLOOR_VENV)/bin/python -m pip install --quiet torch==$(FLOOR_TORCH) 'numpy>=1.26' \
-		'prometheus-client>=0.20' 'setproctitle>=1.3' 'pytest>=8' 'pytest-timeout>=2.3' 'hypothesis>=6.100'
+		'prometheus-client>=0.20' 'setproctitle>=1.3' 'pytest>=8' 'pytest-timeout>=2.3' 'hypothesis>=6.100' \
+		'transformers>=5'
 	touch $@
 
 test-floor: $(FLOOR_STAMP)

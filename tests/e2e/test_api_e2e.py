@@ -132,7 +132,7 @@ def test_defaults_status_and_columns(namespace: str) -> None:
     assert parse_job(json.loads(answer.stdout)).status.to_dict() == {**status, "conditions": []}
 
     header = kubectl("get", "-n", namespace, "dtj", name, check=True).stdout.splitlines()[0].split()
-    assert header == ["NAME", "PHASE", "CURRENT", "DESIRED", "STEP", "RESTARTS", "AGE"]
+    assert header == ["NAME", "PHASE", "CURRENT", "DESIRED", "STEP", "RESTARTS", "GOODPUT", "ETA", "AGE"]
     wide = kubectl("get", "-n", namespace, "dtj", name, "-o", "wide", check=True).stdout.splitlines()
     assert wide[0].split() == [*header[:-1], "PROCESSES", "GENERATION", "MIN", "MAX", "AGE"]
     row = wide[1].split()  # status columns may be blank; MIN and MAX (spec) sit right before AGE
