@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from dtjob import generated
 from dtjob.api import rules
 from dtjob.api.crd import PRINTER_COLUMNS, openapi_schema
 from dtjob.api.models import API_VERSION, K8S_SCHEMA_KEY, KIND, SHORT_NAME
@@ -88,12 +89,7 @@ def api_section() -> str:
 
 def with_api_section(readme: str) -> str:
     """`readme` with the text between the markers replaced (the markers appended if absent)."""
-    block = f"{BEGIN}\n{api_section()}\n{END}"
-    if BEGIN not in readme or END not in readme:
-        return readme.rstrip("\n") + "\n\n" + block + "\n"
-    before, rest = readme.split(BEGIN, 1)
-    _, after = rest.split(END, 1)
-    return before + block + after
+    return generated.replace_between(readme, BEGIN, END, api_section())
 
 
 def main(argv: list[str]) -> int:

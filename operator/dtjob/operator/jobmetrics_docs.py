@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from dtjob import contract
+from dtjob import contract, generated
 
 BEGIN = "<!-- job-metrics:begin -->"
 END = "<!-- job-metrics:end -->"
@@ -27,11 +27,7 @@ def table() -> str:
 def with_table(readme: str) -> str:
     """`readme` with the text between the markers replaced (an error when they are missing: the
     table belongs in its section, not at the end)."""
-    if BEGIN not in readme or END not in readme:
-        raise ValueError(f"README lacks {BEGIN} ... {END}")
-    before, rest = readme.split(BEGIN, 1)
-    _, after = rest.split(END, 1)
-    return f"{before}{BEGIN}\n{table()}\n{END}{after}"
+    return generated.replace_between(readme, BEGIN, END, table(), append=False)
 
 
 def main(argv: list[str]) -> int:
