@@ -34,6 +34,7 @@ import tempfile
 import time
 import traceback
 import weakref
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -527,15 +528,22 @@ def _train_case(case: dict[str, Any], tracker: PeakBytes, baseline: int, started
     return result
 
 
-def _worker(rank: int, world_size: int, cases: list[dict[str, Any]], out_dir: str) -> None:
+def _worker(
+    rank: int,
+    world_size: int,
+    cases: list[dict[str, Any]],
+    out_dir: str,
+    run_case: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+) -> None:
     torch.set_num_threads(1)
+    run = run_case or _run_case
     # A file rendezvous: no port to pick, so concurrent worlds cannot collide.
     store = os.path.join(out_dir, "rendezvous")
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
     results: dict[str, Any] = {}
     for case in cases:
         try:
-            results[case["name"]] = _run_case(case)
+            results[case["name"]] = run(case)
         except Exception:
             results[case["name"]] = {"error": traceback.format_exc()}
             break  # the group may be out of step now; report what happened
@@ -545,9 +553,16 @@ def _worker(rank: int, world_size: int, cases: list[dict[str, Any]], out_dir: st
 
 
 class World:
-    """A process group of `world_size` workers running `cases`, started without waiting."""
+    """A process group of `world_size` workers running `cases`, started without waiting.
+    `run_case` (a module-level function: it is pickled by name) runs one case on each rank and
+    returns its result; default: this module's training cases."""
 
-    def __init__(self, world_size: int, cases: list[dict[str, Any]]) -> None:
+    def __init__(
+        self,
+        world_size: int,
+        cases: list[dict[str, Any]],
+        run_case: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+    ) -> None:
         names = [c["name"] for c in cases]
         assert len(set(names)) == len(names), "case names must be unique"
         self.world_size = world_size
@@ -561,7 +576,7 @@ class World:
         )
         self._ctx = mp.start_processes(
             _worker,
-            args=(world_size, cases, self._out_dir.name),
+            args=(world_size, cases, self._out_dir.name, run_case),
             nprocs=world_size,
             join=False,
             start_method="forkserver",
@@ -582,9 +597,14 @@ class World:
             self._out_dir.cleanup()
 
 
-def run_world(world_size: int, cases: list[dict[str, Any]], timeout: float = 600) -> list[dict[str, Any]]:
+def run_world(
+    world_size: int,
+    cases: list[dict[str, Any]],
+    timeout: float = 600,
+    run_case: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+) -> list[dict[str, Any]]:
     """Run every case in one gloo group of `world_size` processes; returns each rank's results."""
-    return World(world_size, cases).results(timeout)
+    return World(world_size, cases, run_case).results(timeout)
 
 
 def assemble(rank_results: list[dict[str, Any]], case: str) -> dict[str, torch.Tensor]:

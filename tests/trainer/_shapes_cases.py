@@ -8,19 +8,16 @@ unequal rows and some parameters are padded."""
 
 from __future__ import annotations
 
-import multiprocessing
-import os
-import tempfile
-import traceback
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
+
+from tests.trainer import _parallel_harness as harness
 
 VOCAB, WIDTH, HEADS, SEQ, DEPTH = 17, 10, 2, 7, 2
 BATCH, STEPS = 6, 4
@@ -185,30 +182,9 @@ def _shapes(model: nn.Module) -> list[tuple[str, tuple[int, ...], int, tuple[int
     ]
 
 
-def _worker(rank: int, size: int, cases: list[dict[str, Any]], out_dir: str) -> None:
-    torch.set_num_threads(1)
-    store = os.path.join(out_dir, "rendezvous")
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=size)
-    results: dict[str, Any] = {}
-    for case in cases:
-        try:
-            results[case["name"]] = _run_case(case)
-        except Exception:
-            results[case["name"]] = {"error": traceback.format_exc()}
-            break
-    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
-
-
 def run_shapes_world(size: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Every case in one gloo group of `size` processes; each rank's results by case name."""
-    with tempfile.TemporaryDirectory(prefix=f"dtjob-shapes{size}-") as out:
-        multiprocessing.get_context("forkserver").set_forkserver_preload(["torch", __name__])
-        mp.start_processes(
-            _worker, args=(size, cases, out), nprocs=size, join=True, start_method="forkserver"
-        )
-        return [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(size)]
+    return harness.run_world(size, cases, run_case=_run_case)
 
 
 def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:

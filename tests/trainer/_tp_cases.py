@@ -9,19 +9,14 @@ as _parallel_harness.World does. A case: name, kind ("train" | "ce" | "errors"),
 
 from __future__ import annotations
 
-import multiprocessing
-import os
-import tempfile
-import time
-import traceback
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
+from tests.trainer import _parallel_harness as harness
 from tests.trainer._parallel_harness import HF_SEQ, HF_VOCAB, hf_model
 
 TINY_VOCAB, TINY_SEQ = 64, 8
@@ -248,33 +243,10 @@ def _errors(case: dict[str, Any]) -> dict[str, Any]:
 _KINDS = {"train": _train, "ce": _ce, "errors": _errors}
 
 
-def _worker(rank: int, world_size: int, cases: list[dict[str, Any]], out_dir: str) -> None:
-    torch.set_num_threads(1)
-    store = os.path.join(out_dir, "rendezvous")
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
-    results: dict[str, Any] = {}
-    for case in cases:
-        try:
-            results[case["name"]] = _KINDS[case["kind"]](case)
-        except Exception:
-            results[case["name"]] = {"error": traceback.format_exc()}
-            break  # the group may be out of step now
-    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+def _run_case(case: dict[str, Any]) -> dict[str, Any]:
+    return _KINDS[case["kind"]](case)
 
 
 def run_tp_world(world_size: int, cases: list[dict[str, Any]], timeout: float = 600) -> list[dict[str, Any]]:
     """Run `cases` in one gloo group of `world_size` processes; each rank's results by case name."""
-    multiprocessing.get_context("forkserver").set_forkserver_preload(["torch", "torch.distributed", __name__])
-    with tempfile.TemporaryDirectory(prefix=f"dtjob-tp{world_size}-") as out:
-        ctx = mp.start_processes(
-            _worker, args=(world_size, cases, out), nprocs=world_size, join=False, start_method="forkserver"
-        )
-        deadline = time.monotonic() + timeout
-        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-            if time.monotonic() > deadline:
-                for p in ctx.processes:
-                    p.kill()
-                raise TimeoutError(f"world of {world_size} did not finish within {timeout}s")
-        return [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(world_size)]
+    return harness.run_world(world_size, cases, timeout, run_case=_run_case)

@@ -16,16 +16,13 @@ An expert without tokens is not run (as Mixtral's loop does), so in one process 
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
-import os
-import tempfile
-import traceback
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
+
+from tests.trainer import _parallel_harness as harness
 
 INPUTS, WIDTH, HIDDEN, CLASSES, EXPERTS = 6, 8, 12, 5, 4
 BATCH = 12  # global rows per micro-step: divisible by worlds 2 and 3
@@ -139,29 +136,12 @@ def wrap(model: nn.Module, strategy: str, collective: str) -> nn.Module:
     return fully_shard(model, zero_stage=int(strategy.removeprefix("zero")), collective=collective)
 
 
-def _worker(rank: int, world: int, cases: list[dict[str, Any]], out_dir: str) -> None:
-    torch.set_num_threads(1)
-    store = os.path.join(out_dir, "rendezvous")  # a file rendezvous: no port to collide on
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    results: dict[str, Any] = {}
-    for case in cases:
-        try:
-            model = wrap(build(), case["strategy"], case["collective"])
-            results[case["name"]] = train(model, case["accum"], world, rank, wrapped=True)
-        except Exception:
-            results[case["name"]] = {"error": traceback.format_exc()}
-            break  # the group may be out of step now
-    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+def _run_case(case: dict[str, Any]) -> dict[str, Any]:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    model = wrap(build(), case["strategy"], case["collective"])
+    return train(model, case["accum"], world, rank, wrapped=True)
 
 
 def run_world(world: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Every case in one gloo group of `world` processes (forkserver, as _parallel_harness.World:
-    torch is imported once per session); each rank's results by case name."""
-    multiprocessing.get_context("forkserver").set_forkserver_preload(
-        ["torch", "dtjob.trainer.parallel", __name__]
-    )
-    with tempfile.TemporaryDirectory(prefix=f"dtjob-unused{world}-") as out:
-        mp.start_processes(_worker, args=(world, cases, out), nprocs=world, start_method="forkserver")
-        return [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(world)]
+    """Every case in one gloo group of `world` processes; each rank's results by case name."""
+    return harness.run_world(world, cases, run_case=_run_case)
