@@ -218,6 +218,19 @@ def _lines(sock: socket.socket) -> Iterator[dict[str, Any]]:
             yield message
 
 
+def _join(sock: socket.socket, pod: int) -> None:
+    """Say hello and beat, and wait for the ack: the coordinator has then counted this pod (each
+    connection has its own thread, so without the wait a failure sent on another connection can be
+    decided before this hello is read, and the coordinator rightly gives up)."""
+    sock.sendall(f'{{"hello": {pod}, "job": "uid-a"}}\n{{"beat": {pod}}}\n'.encode())
+    answer = b""
+    while not answer.endswith(b"\n"):
+        chunk = sock.recv(1)  # byte by byte: nothing after the ack may be taken from the socket
+        assert chunk, "the coordinator closed the connection"
+        answer += chunk
+    assert json.loads(answer) == {"ack": True}
+
+
 def test_the_coordinator_refuses_another_job_and_gives_up_when_a_pod_leaves_mid_restart() -> None:
     coordinator = Coordinator(free_port(), pods=2, restarts_left=3, job_uid="uid-a")
     coordinator.start()
@@ -228,7 +241,7 @@ def test_the_coordinator_refuses_another_job_and_gives_up_when_a_pod_leaves_mid_
     pod0, pod1 = (socket.create_connection(address, timeout=10) for _ in range(2))
     with pod0, pod1:
         for pod, sock in enumerate((pod0, pod1)):
-            sock.sendall(f'{{"hello": {pod}, "job": "uid-a"}}\n'.encode())
+            _join(sock, pod)
         pod1.sendall(b'{"failed": 1, "round": 0, "rank": 1, "code": 137}\n')
         said0, said1 = _lines(pod0), _lines(pod1)
         assert next(said0) == {"stop": 0, "cause": "rank 1 (pod 1) exited 137 (SIGKILL)"}
