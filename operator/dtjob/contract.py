@@ -35,7 +35,7 @@ import os
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 # --- exit codes ------------------------------------------------------------------------------
 EXIT_OK = 0  # training complete
@@ -196,6 +196,67 @@ def parse_complete_line(text: str) -> Completion | None:
     )
 
 
+# --- liveness ----------------------------------------------------------------------------------
+DEFAULT_HEARTBEAT_TIMEOUT = 10.0  # seconds: spec.elastic.heartbeatTimeoutSeconds' default
+
+
+@dataclass(frozen=True)
+class Liveness:
+    """Every liveness timeout inside the pods, derived from one setting: `timeout` (T), the
+    heartbeat timeout, spec.elastic.heartbeatTimeoutSeconds, given to every process as
+    DTJOB_HEARTBEAT_TIMEOUT (`PodEnv.liveness`). docs/design.md's "who detects what" table is
+    generated from these; the numbers in the comments are at the default T = 10 s.
+    """
+
+    timeout: float = DEFAULT_HEARTBEAT_TIMEOUT
+
+    # The trainer heartbeat (trainer/heartbeat.py) beats HEARTBEAT_BEATS_PER_TIMEOUT times per T, at
+    # most HEARTBEAT_MAX_BEAT_SECONDS apart; it sees a peer's last beat up to a beat late, so a
+    # lost rank is named within T + 2 beats (12 s; at 1 s beats and T = 4 s, the chaos runs found
+    # hangs 4.6-6.1 s after the fault).
+    HEARTBEAT_BEATS_PER_TIMEOUT: ClassVar[int] = 8
+    HEARTBEAT_MAX_BEAT_SECONDS: ClassVar[float] = 1.0
+    # A pod's agent is taken for gone (its pod frozen, its network cut) after 0.3 T of silence
+    # (3 s), and so is the coordinator by an agent: well inside T, so when the survivors' heartbeat
+    # names a frozen pod's rank lost (T after the freeze) the coordinator already counts that pod
+    # out and leaves the failure to the operator, not to a restart in place that pod cannot join.
+    # Agents beat 6 times within it (every 0.5 s): a few late beats on a loaded pod are no loss.
+    AGENT_TIMEOUT_PER_T: ClassVar[float] = 0.3
+    AGENT_BEATS_PER_TIMEOUT: ClassVar[int] = 6
+    # Every agent must have stopped its trainers T after a restart in place's stop (10 s), or the
+    # coordinator gives the restart up: SIGKILL and reaping take milliseconds, a process stuck in
+    # the kernel may never go.
+    STOP_TIMEOUT_PER_T: ClassVar[float] = 1.0
+    # An agent waits 1.5 T (15 s) for the coordinator's answer to its failure or its stopped: the
+    # stop timeout and T / 2, so the coordinator's own give-up at the stop timeout reaches it first.
+    ANSWER_TIMEOUT_PER_T: ClassVar[float] = 1.5
+
+    @property
+    def heartbeat_beat_seconds(self) -> float:
+        return min(self.HEARTBEAT_MAX_BEAT_SECONDS, self.timeout / self.HEARTBEAT_BEATS_PER_TIMEOUT)
+
+    @property
+    def heartbeat_verdict_seconds(self) -> float:
+        """The longest a lost rank takes to be named once it is gone: T and two beats."""
+        return self.timeout + 2 * self.heartbeat_beat_seconds
+
+    @property
+    def agent_timeout_seconds(self) -> float:
+        return self.AGENT_TIMEOUT_PER_T * self.timeout
+
+    @property
+    def agent_beat_seconds(self) -> float:
+        return self.agent_timeout_seconds / self.AGENT_BEATS_PER_TIMEOUT
+
+    @property
+    def stop_timeout_seconds(self) -> float:
+        return self.STOP_TIMEOUT_PER_T * self.timeout
+
+    @property
+    def answer_timeout_seconds(self) -> float:
+        return self.ANSWER_TIMEOUT_PER_T * self.timeout
+
+
 # --- reading the environment ------------------------------------------------------------------
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -270,7 +331,7 @@ class PodEnv:
     checkpoint_dir: str | None = _var(ENV_CHECKPOINT_DIR, None, _TEXT)  # None: no checkpoints
     metrics_port: int = _var(ENV_METRICS_PORT, 0, _PORT)  # 0: no metrics
     device: str = _var(ENV_DEVICE, "auto", _one_of(DEVICES))
-    heartbeat_timeout: float = _var(ENV_HEARTBEAT_TIMEOUT, 10.0, _SECONDS)  # <= 0: no heartbeat
+    heartbeat_timeout: float = _var(ENV_HEARTBEAT_TIMEOUT, DEFAULT_HEARTBEAT_TIMEOUT, _SECONDS)  # <= 0: none
     agent_port: int | None = _var(ENV_AGENT_PORT, None, _AGENT_PORT)  # None: no restarts in place
     restarts_left: int = _var(ENV_RESTARTS_LEFT, 0, _COUNT)
     permanent_exit_codes: frozenset[int] = _var(ENV_PERMANENT_EXIT_CODES, frozenset(), _CODES)
@@ -291,6 +352,11 @@ class PodEnv:
             pod_rank=values.get("pod_rank", env.rank // env.local_world_size),
             pods=values.get("pods", max(1, env.world_size // env.local_world_size)),
         )
+
+    @property
+    def liveness(self) -> Liveness:
+        """Every liveness timeout, from DTJOB_HEARTBEAT_TIMEOUT (the default T without a heartbeat)."""
+        return Liveness(self.heartbeat_timeout if self.heartbeat_timeout > 0 else DEFAULT_HEARTBEAT_TIMEOUT)
 
     def value(self, variable: str) -> Any:
         """The value of `variable` (one of ENVIRONMENT's names)."""

@@ -22,7 +22,6 @@ Standard library only: the agent starts in milliseconds and never imports torch 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import queue
 import signal
@@ -31,25 +30,21 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import FrameType
-from typing import Any
 
 from dtjob import contract
-from dtjob.launcher.coordinator import (
-    BEAT_SECONDS,
-    BEAT_TIMEOUT_SECONDS,
-    STOP_TIMEOUT_SECONDS,
-    Coordinator,
-    describe_code,
-)
+from dtjob.launcher import protocol
+from dtjob.launcher.coordinator import Coordinator, describe_code
 from dtjob.launcher.local import POLL_SECONDS, LocalProcesses
 
 # How often an agent tries to reach the coordinator until it does (pod 0 may start after it).
 CONNECT_RETRY_SECONDS = 0.1
-# How long a failed pod waits for the coordinator's answer: a stop has this long to complete.
-ANSWER_TIMEOUT_SECONDS = STOP_TIMEOUT_SECONDS + 5.0
+# How long a failed pod waits for the coordinator's answer at the default heartbeat timeout
+# (contract.Liveness.answer_timeout_seconds): a stop has this long to complete.
+ANSWER_TIMEOUT_SECONDS = contract.Liveness().answer_timeout_seconds
 NOT_FAILURES = (contract.EXIT_OK, contract.EXIT_STOPPED)  # done, or stopped after a checkpoint
+GONE = "the coordinator is gone"  # the reason when the connection to it is lost
 
 
 @dataclass(frozen=True)
@@ -64,6 +59,7 @@ class AgentSettings:
     restarts_left: int
     permanent_codes: frozenset[int]
     job_uid: str = ""  # DTJOB_JOB_UID: which gang an agent's hello is for
+    liveness: contract.Liveness = field(default_factory=contract.Liveness)  # DTJOB_HEARTBEAT_TIMEOUT
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> AgentSettings:
@@ -78,17 +74,21 @@ class AgentSettings:
             restarts_left=env.restarts_left,
             permanent_codes=env.permanent_exit_codes,
             job_uid=env.job_uid,
+            liveness=env.liveness,
         )
 
 
 class Link:
     """This agent's connection to the coordinator: connects in the background (until it does),
-    beats every BEAT_SECONDS, and puts what the coordinator says into `inbox` (None when the
-    connection is lost)."""
+    beats every `liveness.agent_beat_seconds`, and puts what the coordinator says into `inbox`
+    (None when the connection is lost)."""
 
-    def __init__(self, host: str, port: int, pod: int, job_uid: str = "") -> None:
+    def __init__(
+        self, host: str, port: int, pod: int, job_uid: str = "", liveness: contract.Liveness | None = None
+    ) -> None:
         self.host, self.port, self.pod, self.job_uid = host, port, pod, job_uid
-        self.inbox: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self.liveness = liveness or contract.Liveness()
+        self.inbox: queue.Queue[protocol.CoordinatorMessage | None] = queue.Queue()
         self._sock: socket.socket | None = None
         # Reentrant: the SIGTERM handler sends too, on the main thread, maybe inside a send.
         self._lock = threading.RLock()
@@ -97,19 +97,20 @@ class Link:
 
     @property
     def answering(self) -> bool:
-        """Connected, and the coordinator said something (a beat's ack) within BEAT_TIMEOUT_SECONDS:
-        a frozen pod 0 takes no one's failure for a restart in place."""
-        return self._sock is not None and time.monotonic() - self.heard_at <= BEAT_TIMEOUT_SECONDS
+        """Connected, and the coordinator said something (a beat's ack) within the agent timeout
+        (contract.Liveness): a frozen pod 0 takes no one's failure for a restart in place."""
+        silent = time.monotonic() - self.heard_at
+        return self._sock is not None and silent <= self.liveness.agent_timeout_seconds
 
     def start(self) -> None:
         threading.Thread(target=self._run, name="dtjob-agent-link", daemon=True).start()
 
-    def send(self, message: dict[str, Any]) -> bool:
+    def send(self, message: protocol.AgentMessage) -> bool:
         with self._lock:
             if self._sock is None:
                 return False
             try:
-                self._sock.sendall((json.dumps(message) + "\n").encode())
+                self._sock.sendall(protocol.encode(message))
                 return True
             except OSError:
                 return False
@@ -135,22 +136,26 @@ class Link:
         with self._lock:
             self._sock = sock
         self.heard_at = time.monotonic()
-        self.send({"hello": self.pod, "job": self.job_uid})
+        self.send(protocol.Hello(self.pod, self.job_uid))
         threading.Thread(target=self._beat, name="dtjob-agent-beat", daemon=True).start()
         try:
             for line in sock.makefile("r", encoding="utf-8"):
                 self.heard_at = time.monotonic()
-                message = json.loads(line)
-                if "ack" not in message:
+                try:
+                    message = protocol.decode(line)
+                except protocol.UnknownMessage:  # a newer coordinator's: not for this version
+                    continue
+                if isinstance(message, protocol.CoordinatorMessage) and not isinstance(message, protocol.Ack):
                     self.inbox.put(message)
-        except (OSError, ValueError):
+        except (OSError, ValueError):  # a malformed line (protocol.ProtocolError): the link is lost
             pass
         with self._lock:
             self._sock = None
         self.inbox.put(None)
 
     def _beat(self) -> None:
-        while not self._closed.wait(BEAT_SECONDS) and self.send({"beat": self.pod}):
+        beat = self.liveness.agent_beat_seconds
+        while not self._closed.wait(beat) and self.send(protocol.Beat(self.pod)):
             pass
 
 
@@ -165,14 +170,15 @@ class Agent:
             if settings.pod == 0:
                 try:
                     self.coordinator = Coordinator(
-                        settings.agent_port, settings.pods, settings.restarts_left, settings.job_uid
-                    )
+                        settings.agent_port, settings.pods, settings.restarts_left, settings.job_uid,
+                        settings.liveness,
+                    )  # fmt: skip
                     self.coordinator.start()
                 except OSError as err:  # the trainers still run; their failures go to the operator
                     self._say(f"cannot listen on {contract.ENV_AGENT_PORT}={settings.agent_port}: {err}; "
                               "no restarts in place")  # fmt: skip
             host = "127.0.0.1" if settings.pod == 0 else settings.master_addr
-            self.link = Link(host, settings.agent_port, settings.pod, settings.job_uid)
+            self.link = Link(host, settings.agent_port, settings.pod, settings.job_uid, settings.liveness)
             self.link.start()
         self.round = 0
         self.terminating = False
@@ -180,7 +186,7 @@ class Agent:
     # signals -----------------------------------------------------------------------------
     def on_signal(self, signum: int, _frame: FrameType | None) -> None:
         if not self.terminating and self.link is not None:
-            self.link.send({"terminating": self.settings.pod})
+            self.link.send(protocol.Terminating(self.settings.pod))
         self.terminating = True
         self.local.signal(signum)
 
@@ -200,8 +206,8 @@ class Agent:
     def _watch(self) -> int | None:
         """One look at the trainers and the coordinator; the pod's exit status when it is done."""
         message = self._next_message(POLL_SECONDS)
-        if message is not None and "stop" in message:
-            return self._restart(int(message["stop"]), str(message.get("cause", "")))
+        if isinstance(message, protocol.Stop):
+            return self._restart(message.round, message.cause)
         if not self.terminating:
             self.local.refill()
         codes = self.local.poll()
@@ -212,7 +218,9 @@ class Agent:
             return contract.EXIT_STOPPED if contract.EXIT_STOPPED in codes else contract.EXIT_OK
         return None
 
-    def _next_message(self, timeout: float) -> dict[str, Any] | None:
+    def _next_message(self, timeout: float) -> protocol.CoordinatorMessage | None:
+        """The coordinator's next message within `timeout`, or None; a lost connection reads as
+        the coordinator giving up."""
         if self.link is None:
             time.sleep(timeout)
             return None
@@ -220,7 +228,7 @@ class Agent:
             message = self.link.inbox.get(timeout=timeout)
         except queue.Empty:
             return None
-        return message if message is not None else {}
+        return message if message is not None else protocol.GiveUp(self.round, GONE)
 
     def _failed(self, local_rank: int, code: int) -> int | None:
         """A trainer of this pod failed: restart in place if the coordinator says so, else leave."""
@@ -229,8 +237,9 @@ class Agent:
         reason = self._why_not_in_place(code)
         if reason is None and self.link is not None:
             self.local.kill()  # its peers are lost without it; they must not wait in a collective
-            self.link.send({"failed": self.settings.pod, "round": self.round, "rank": rank, "code": code})
-            deadline = time.monotonic() + ANSWER_TIMEOUT_SECONDS
+            self.link.send(protocol.Failed(self.settings.pod, self.round, rank, code))
+            answer_timeout = self.settings.liveness.answer_timeout_seconds
+            deadline = time.monotonic() + answer_timeout
             while time.monotonic() < deadline:
                 answer = self._next_message(min(0.1, max(0.0, deadline - time.monotonic())))
                 if answer is None and not self.link.answering:
@@ -238,13 +247,13 @@ class Agent:
                     break
                 if answer is None:
                     continue
-                if "stop" in answer and int(answer["stop"]) == self.round:
-                    return self._restart(self.round, str(answer.get("cause", "")))
-                if "give_up" in answer or not answer:
-                    reason = str(answer.get("reason", "the coordinator is gone"))
+                if isinstance(answer, protocol.Stop) and answer.round == self.round:
+                    return self._restart(self.round, answer.cause)
+                if isinstance(answer, protocol.GiveUp):
+                    reason = answer.reason
                     break
             else:
-                reason = f"no answer from the coordinator within {ANSWER_TIMEOUT_SECONDS:g}s"
+                reason = f"no answer from the coordinator within {answer_timeout:g}s"
         self._say(f"{what}; {reason or 'no restarts in place'}: stopping the others")
         self.local.stop()
         return self._leave(code)
@@ -269,29 +278,29 @@ class Agent:
         """Kill this round's trainers, tell the coordinator, and start the next round when it says."""
         self.local.kill()
         assert self.link is not None
-        self.link.send({"stopped": self.settings.pod, "round": round_})
-        deadline = time.monotonic() + ANSWER_TIMEOUT_SECONDS
+        self.link.send(protocol.Stopped(self.settings.pod, round_))
+        answer_timeout = self.settings.liveness.answer_timeout_seconds
+        deadline = time.monotonic() + answer_timeout
         while time.monotonic() < deadline:
             if self.terminating:
                 return 128 + signal.SIGTERM
             answer = self._next_message(min(0.1, max(0.0, deadline - time.monotonic())))
             if answer is None and not self.link.answering:
-                answer = {"give_up": round_, "reason": "the coordinator stopped answering"}
+                answer = protocol.GiveUp(round_, "the coordinator stopped answering")
             if answer is None:
                 continue
-            if "start" in answer:
-                self.round = int(answer["start"])
-                cause = str(answer.get("cause", cause))
+            if isinstance(answer, protocol.Start):
+                self.round = answer.round
+                cause = answer.cause or cause
                 env = {contract.ENV_IN_PLACE_RESTARTS: str(self.round), contract.ENV_RESTART_CAUSE: cause}
                 warm = self.local.start(env)
                 self._say(f"restart in place {self.round}: {cause} ({warm} of {self.settings.nproc} "
                           "trainers from warm standbys)")  # fmt: skip
                 return None
-            if "give_up" in answer or not answer:
-                why = str(answer.get("reason", "the coordinator is gone"))
-                self._say(f"the restart in place failed: {why}")
+            if isinstance(answer, protocol.GiveUp):
+                self._say(f"the restart in place failed: {answer.reason}")
                 return self._leave(contract.EXIT_FAILURE)
-        self._say(f"the restart in place failed: no start within {ANSWER_TIMEOUT_SECONDS:g}s")
+        self._say(f"the restart in place failed: no start within {answer_timeout:g}s")
         return self._leave(contract.EXIT_FAILURE)
 
     def _leave(self, code: int) -> int:

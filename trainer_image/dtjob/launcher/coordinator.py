@@ -1,15 +1,9 @@
 """The gang's restarts in place: pod 0's agent decides them, every pod's agent carries them out.
 
 Every agent (dtjob.launcher.agent) keeps one TCP connection to the coordinator, which pod 0's
-agent serves on DTJOB_AGENT_PORT, and talks in JSON lines:
-
-    agent -> coordinator   {"hello": POD, "job": UID}   {"beat": POD} (answered {"ack": true})
-                           {"terminating": POD}
-                           {"failed": POD, "round": R, "rank": RANK, "code": CODE}
-                           {"stopped": POD, "round": R}
-    coordinator -> agent   {"stop": R, "cause": TEXT}      kill your trainers of round R, say stopped
-                           {"start": R + 1, "cause": TEXT}  start round R + 1 (from the standbys)
-                           {"give_up": R, "reason": TEXT}  no restart in place: leave failing
+agent serves on DTJOB_AGENT_PORT, and talks in the JSON lines of dtjob.launcher.protocol: Hello,
+Beat (answered Ack), Terminating, Failed and Stopped to it; Stop (kill your trainers of round R,
+say Stopped), Start (round R + 1, from the standbys) and GiveUp (leave failing) from it.
 
 A trainer failing in round R is reported; `decide` restarts the gang in place when every pod's
 agent is there and beating, none is terminating, and restarts are left. Then the coordinator asks
@@ -26,7 +20,6 @@ on MASTER_PORT, the pod network is trusted).
 
 from __future__ import annotations
 
-import json
 import logging
 import signal
 import socket
@@ -34,15 +27,17 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from dtjob import contract
+from dtjob.launcher import protocol
+
 log = logging.getLogger("dtjob.launcher")
 
-# Agents beat this often; one silent for BEAT_TIMEOUT_SECONDS is taken for gone (a whole pod
-# frozen, its network cut): no restart in place waits for it.
-BEAT_SECONDS = 0.5
-BEAT_TIMEOUT_SECONDS = 3.0
-# Every agent must have stopped its trainers this soon after the stop (SIGKILL and reaping take
-# milliseconds; a process stuck in the kernel may never go): past it the coordinator gives up.
-STOP_TIMEOUT_SECONDS = 10.0
+# At the default heartbeat timeout (contract.Liveness, from DTJOB_HEARTBEAT_TIMEOUT): agents beat
+# every BEAT_SECONDS; one silent for BEAT_TIMEOUT_SECONDS is taken for gone (a whole pod frozen,
+# its network cut); every agent must have stopped its trainers STOP_TIMEOUT_SECONDS after a stop.
+BEAT_SECONDS = contract.Liveness().agent_beat_seconds
+BEAT_TIMEOUT_SECONDS = contract.Liveness().agent_timeout_seconds
+STOP_TIMEOUT_SECONDS = contract.Liveness().stop_timeout_seconds
 
 
 @dataclass(frozen=True)
@@ -94,6 +89,7 @@ class GangState:
     given_up: bool = False
     beats: dict[int, float] = field(default_factory=dict)  # pod -> last message (monotonic)
     terminating: set[int] = field(default_factory=set)
+    liveness: contract.Liveness = field(default_factory=contract.Liveness)
 
 
 def decide(state: GangState, failure: Failure, now: float) -> Restart | GiveUp | Ignore:
@@ -106,7 +102,8 @@ def decide(state: GangState, failure: Failure, now: float) -> Restart | GiveUp |
         return GiveUp(f"pod {min(state.terminating)} is being deleted")
     if state.round >= state.restarts_left:
         return GiveUp(f"no restarts left ({state.round} in place; elastic.maxRestarts)")
-    missing = [p for p in range(state.pods) if now - state.beats.get(p, float("-inf")) > BEAT_TIMEOUT_SECONDS]
+    timeout = state.liveness.agent_timeout_seconds
+    missing = [p for p in range(state.pods) if now - state.beats.get(p, float("-inf")) > timeout]
     if missing:
         return GiveUp(f"the agent of pod {missing[0]} is not answering")
     return Restart(failure.describe())
@@ -115,8 +112,15 @@ def decide(state: GangState, failure: Failure, now: float) -> Restart | GiveUp |
 class Coordinator:
     """The TCP server in pod 0's agent (see the module docstring)."""
 
-    def __init__(self, port: int, pods: int, restarts_left: int, job_uid: str = "") -> None:
-        self.state = GangState(pods, restarts_left)
+    def __init__(
+        self,
+        port: int,
+        pods: int,
+        restarts_left: int,
+        job_uid: str = "",
+        liveness: contract.Liveness | None = None,
+    ) -> None:
+        self.state = GangState(pods, restarts_left, liveness=liveness or contract.Liveness())
         self.job_uid = job_uid
         self._lock = threading.Lock()
         self._conns: dict[int, socket.socket] = {}
@@ -138,18 +142,22 @@ class Coordinator:
         pod: int | None = None
         try:
             for line in conn.makefile("r", encoding="utf-8"):
-                message = json.loads(line)
-                if "hello" in message:
-                    if message.get("job", "") != self.job_uid:
-                        log.warning("dtjob-coordinator: refused an agent of job uid %r", message.get("job"))
+                try:
+                    message = protocol.decode(line)
+                except protocol.UnknownMessage as err:  # a newer agent's: not for this version
+                    log.debug("coordinator: pod %s: %s", pod, err)
+                    continue
+                if isinstance(message, protocol.Hello):
+                    if message.job != self.job_uid:
+                        log.warning("dtjob-coordinator: refused an agent of job uid %r", message.job)
                         return
-                    pod = int(message["hello"])
+                    pod = message.pod
                     with self._lock:
                         self._conns[pod] = conn
                 elif pod is None:
                     return  # not an agent of this gang: it said no hello first
                 self._handle(message)
-        except (OSError, ValueError) as err:
+        except (OSError, ValueError) as err:  # a malformed line (protocol.ProtocolError) included
             log.debug("coordinator: connection of pod %s: %s", pod, err)
         finally:
             with self._lock:
@@ -160,44 +168,40 @@ class Coordinator:
                         self._give_up(f"the agent of pod {pod} left during the restart in place")
             conn.close()
 
-    def _handle(self, message: dict[str, object]) -> None:
+    def _handle(self, message: protocol.Message) -> None:
+        if not isinstance(message, protocol.AgentMessage):
+            return  # the coordinator's own kinds (an echo): nothing for it to do
         now = time.monotonic()
         with self._lock:
-            for key in ("hello", "beat", "terminating", "failed", "stopped"):
-                if key in message:
-                    self.state.beats[int(str(message[key]))] = now
-            if "beat" in message:  # the agent knows the coordinator is there from the answer
-                self._send(int(str(message["beat"])), {"ack": True})
-            if "terminating" in message:
-                self.state.terminating.add(int(str(message["terminating"])))
-            if "failed" in message:
-                failure = Failure(
-                    int(str(message["failed"])), int(str(message["round"])),
-                    int(str(message["rank"])), int(str(message["code"])),
-                )  # fmt: skip
-                self._failed(failure, now)
-            if "stopped" in message and int(str(message["round"])) == self.state.round:
-                self._stopped.add(int(str(message["stopped"])))
+            self.state.beats[message.pod] = now
+            if isinstance(message, protocol.Beat):  # the agent knows the coordinator is there from the answer
+                self._send(message.pod, protocol.Ack())
+            elif isinstance(message, protocol.Terminating):
+                self.state.terminating.add(message.pod)
+            elif isinstance(message, protocol.Failed):
+                self._failed(Failure(message.pod, message.round, message.rank, message.code), now)
+            elif isinstance(message, protocol.Stopped) and message.round == self.state.round:
+                self._stopped.add(message.pod)
                 if self.state.restarting and len(self._stopped) == self.state.pods:
                     self.state.round += 1
                     self.state.restarting = False
                     log.warning("dtjob-coordinator: round %d starts: %s", self.state.round, self._cause)
-                    self._broadcast({"start": self.state.round, "cause": self._cause})
+                    self._broadcast(protocol.Start(self.state.round, self._cause))
 
     def _failed(self, failure: Failure, now: float) -> None:
         decision = decide(self.state, failure, now)
         if isinstance(decision, Ignore):
             return
         if isinstance(decision, GiveUp):
-            self._send(failure.pod, {"give_up": failure.round, "reason": decision.reason})
+            self._send(failure.pod, protocol.GiveUp(failure.round, decision.reason))
             return
         self.state.restarting = True
         self._cause = decision.cause
         self._stopped = set()
         log.warning("dtjob-coordinator: %s; restarting the gang in place", decision.cause)
-        self._broadcast({"stop": self.state.round, "cause": decision.cause})
-        round_ = self.state.round
-        timer = threading.Timer(STOP_TIMEOUT_SECONDS, self._stop_timed_out, args=(round_,))
+        self._broadcast(protocol.Stop(self.state.round, decision.cause))
+        stop_timeout = self.state.liveness.stop_timeout_seconds
+        timer = threading.Timer(stop_timeout, self._stop_timed_out, args=(self.state.round,))
         timer.daemon = True
         timer.start()
 
@@ -206,7 +210,8 @@ class Coordinator:
             if not self.state.restarting or self.state.round != round_:
                 return
             late = sorted(set(range(self.state.pods)) - self._stopped)
-            self._give_up(f"pod {late[0]} did not stop its trainers within {STOP_TIMEOUT_SECONDS:g}s")
+            timeout = self.state.liveness.stop_timeout_seconds
+            self._give_up(f"pod {late[0]} did not stop its trainers within {timeout:g}s")
 
     def _give_up(self, reason: str) -> None:
         """The restart in place under way cannot complete: every agent leaves failing, and the
@@ -214,17 +219,17 @@ class Coordinator:
         self.state.given_up = True
         self.state.restarting = False
         log.warning("dtjob-coordinator: %s; giving up the restart in place", reason)
-        self._broadcast({"give_up": self.state.round, "reason": reason})
+        self._broadcast(protocol.GiveUp(self.state.round, reason))
 
-    def _broadcast(self, message: dict[str, object]) -> None:
+    def _broadcast(self, message: protocol.CoordinatorMessage) -> None:
         for pod in list(self._conns):
             self._send(pod, message)
 
-    def _send(self, pod: int, message: dict[str, object]) -> None:
+    def _send(self, pod: int, message: protocol.CoordinatorMessage) -> None:
         conn = self._conns.get(pod)
         if conn is None:
             return
         try:
-            conn.sendall((json.dumps(message) + "\n").encode())
+            conn.sendall(protocol.encode(message))
         except OSError as err:
             log.debug("coordinator: cannot reach pod %d: %s", pod, err)

@@ -6,7 +6,6 @@ are on and the command is one a standby can run.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import select
 import signal
@@ -16,7 +15,7 @@ import time
 from collections.abc import Mapping, Sequence
 
 from dtjob import contract
-from dtjob.launcher import standby
+from dtjob.launcher import protocol, standby
 
 # A failed process's siblings get this long between SIGTERM and SIGKILL when the pod gives up: a
 # healthy one stops at once, one blocked in a collective never would.
@@ -72,7 +71,7 @@ class Standby:
     def activate(self, env: Mapping[str, str]) -> subprocess.Popen[bytes]:
         """Make it the trainer, with these variables added to its environment."""
         assert self.proc.stdin is not None
-        self.proc.stdin.write((json.dumps({"env": dict(env)}) + "\n").encode())
+        self.proc.stdin.write(protocol.encode(protocol.Activate(dict(env))))
         self.proc.stdin.close()
         return self.proc
 

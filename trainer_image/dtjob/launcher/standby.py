@@ -13,9 +13,10 @@ imports on its first `add_param_group` (1.8 s). A standby has done both before i
    thread, which later runs the trainer, stays at the pod's priority: an unprivileged process could
    never lower it again). A standby not ready when a restart comes is not used: a new interpreter
    at the pod's priority starts sooner than one importing at nice 10.
-2. It writes one byte to FD and shows `(ready)` in its process title, then waits for one JSON line
-   on stdin: `{"env": {...}}`, the variables of its round (dtjob.contract.ENV_IN_PLACE_RESTARTS,
-   ...). End of file: the agent no longer needs it, and it exits 0.
+2. It writes one byte to FD and shows `(ready)` in its process title, then waits for one line on
+   stdin: dtjob.launcher.protocol.Activate, the variables of its round
+   (dtjob.contract.ENV_IN_PLACE_RESTARTS, ...). End of file: the agent no longer needs it, and it
+   exits 0.
 3. It sets them, takes the command line of the trainer as its process title (so `ps`, and the
    tools that find trainers by their command line, see the trainer), and runs MODULE or SCRIPT
    as `__main__` with runpy: the trainer's own exit status is the process's.
@@ -29,7 +30,6 @@ from __future__ import annotations
 import ctypes
 import importlib
 import io
-import json
 import os
 import re
 import runpy
@@ -38,6 +38,8 @@ import sys
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+from dtjob.launcher import protocol
 
 # What a standby imports before it is needed: torch, and torch._dynamo (every optimizer's first
 # add_param_group imports it: 1.8 s of a 4.3 s restart measured here). DTJOB_PRELOAD (a comma
@@ -155,7 +157,10 @@ def main(argv: Sequence[str]) -> int:
     line = sys.stdin.readline()
     if not line:
         return 0
-    os.environ.update(json.loads(line)["env"])
+    activate = protocol.decode(line)
+    if not isinstance(activate, protocol.Activate):
+        raise protocol.ProtocolError(f"a standby is activated by an Activate message, not {activate}")
+    os.environ.update(activate.env)
     devnull = os.open(os.devnull, os.O_RDONLY)  # the trainer's stdin: not the agent's pipe
     os.dup2(devnull, 0)
     os.close(devnull)

@@ -1,7 +1,8 @@
 """The gang watches itself: a rank that goes silent is found in seconds, not at the collective timeout.
 
 Every rank runs a daemon thread with its own connection to the rendezvous store (rank 0's
-TCPStore, or torchrun's agent store). Every beat (an eighth of the timeout, at most a second) it
+TCPStore, or torchrun's agent store). Every beat (contract.Liveness: an eighth of the timeout, at
+most a second) it
 counts its own beat up and reads the beat of the next rank (rank + 1 mod world), three
 non-blocking store operations per rank and beat, so a gang of 1,024 ranks at the default 10 s
 timeout costs the store about 3,000 small operations a second. A rank whose beat has not moved
@@ -46,12 +47,6 @@ __all__ = ["Heartbeat", "is_peer_failure", "leave_failed", "start"]
 
 log = logging.getLogger("dtjob.trainer")
 
-# The longest beat; a shorter timeout beats faster (timeout / 8): the watcher sees a peer's last
-# beat up to a beat late, so a lost rank is found within 1.125 timeouts (4.5 s at 4 s; at 1 s
-# beats, 4 s found hangs 4.6-6.1 s after the fault in the chaos runs).
-INTERVAL_SECONDS = 1.0
-BEATS_PER_TIMEOUT = 8
-
 
 class _Calls:
     """Runs calls one after the other on a daemon thread (a stuck one must not keep the
@@ -80,7 +75,8 @@ class _Calls:
 class Heartbeat:
     def __init__(self, host: str, port: int, rank: int, world_size: int, prefix: str, timeout: float) -> None:
         self.rank, self.world_size, self.timeout = rank, world_size, timeout
-        self.interval = min(INTERVAL_SECONDS, timeout / BEATS_PER_TIMEOUT)
+        self.liveness = contract.Liveness(timeout)
+        self.interval = self.liveness.heartbeat_beat_seconds
         self.next_rank = (rank + 1) % world_size
         self._prefix = prefix
         # Its own connection. A store whose process is stopped (SIGSTOP) keeps the socket open
@@ -138,7 +134,7 @@ class Heartbeat:
     @property
     def verdict_seconds(self) -> float:
         """The longest a verdict takes once a peer is gone: the timeout and two beats."""
-        return self.timeout + 2 * self.interval
+        return self.liveness.heartbeat_verdict_seconds
 
     def await_verdict(self, stopped: Callable[[], bool]) -> None:
         """Give the heartbeat the time to name a lost peer (it then ends the process with
