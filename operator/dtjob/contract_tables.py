@@ -104,11 +104,14 @@ def labels() -> list[str]:
     return _table(("Name", "Kind", "On", "Value"), rows)
 
 
+SETTING = "spec.elastic.heartbeatTimeoutSeconds"  # T, the one liveness setting
+
+
 def liveness_intro() -> list[str]:
     """The one setting the in-pod timeouts derive from, said above the table."""
     default = ElasticPolicy.model_fields["heartbeat_timeout_seconds"].default
     return [
-        f"T is the job's `spec.elastic.heartbeatTimeoutSeconds` (default {default} s), given to every process",
+        f"T is the job's `{SETTING}` (default {default} s), given to every process",
         f"as `{contract.ENV_HEARTBEAT_TIMEOUT}`: every timeout inside the pods is a multiple of it",
         "(`contract.Liveness`; in brackets at the default). The operator's timeouts are its own",
         "settings (`dtjob operator --help`).",
