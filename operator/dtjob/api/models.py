@@ -111,7 +111,8 @@ class ElasticPolicy(ApiModel):
         "through the rendezvous store) is silent this long is lost: the other ranks exit 76 "
         "naming it, and the gang restarts (counted), without waiting for a collective timeout "
         "or the node to turn NotReady. "
-        "Given to the trainer as DTJOB_HEARTBEAT_TIMEOUT.",
+        "Given to the trainer as DTJOB_HEARTBEAT_TIMEOUT. The other liveness timeouts in the pods "
+        "(the agents' of restarts in place) are multiples of it: docs/design.md.",
     )
     progress_deadline_seconds: int | None = Field(
         default=None,
