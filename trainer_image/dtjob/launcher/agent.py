@@ -16,7 +16,9 @@ or with restarts in place) runs LOCAL_WORLD_SIZE copies of COMMAND (dtjob.launch
   shell reports it), after its last line `contract.in_place_line(...)`: the operator then restarts
   the gang in new pods, and reads from that line how many restarts in place it made.
 
-Standard library only: the agent starts in milliseconds and never imports torch (its standbys do).
+It talks to the coordinator and its standbys in dtjob.launcher.protocol's messages, and takes its
+timeouts from the pod's contract.Liveness (DTJOB_HEARTBEAT_TIMEOUT). Standard library only: the
+agent starts in milliseconds and never imports torch (its standbys do).
 """
 
 from __future__ import annotations
@@ -40,9 +42,6 @@ from dtjob.launcher.local import POLL_SECONDS, LocalProcesses
 
 # How often an agent tries to reach the coordinator until it does (pod 0 may start after it).
 CONNECT_RETRY_SECONDS = 0.1
-# How long a failed pod waits for the coordinator's answer at the default heartbeat timeout
-# (contract.Liveness.answer_timeout_seconds): a stop has this long to complete.
-ANSWER_TIMEOUT_SECONDS = contract.Liveness().answer_timeout_seconds
 NOT_FAILURES = (contract.EXIT_OK, contract.EXIT_STOPPED)  # done, or stopped after a checkpoint
 GONE = "the coordinator is gone"  # the reason when the connection to it is lost
 

@@ -32,10 +32,9 @@ from dtjob.launcher import protocol
 
 log = logging.getLogger("dtjob.launcher")
 
-# At the default heartbeat timeout (contract.Liveness, from DTJOB_HEARTBEAT_TIMEOUT): agents beat
-# every BEAT_SECONDS; one silent for BEAT_TIMEOUT_SECONDS is taken for gone (a whole pod frozen,
-# its network cut); every agent must have stopped its trainers STOP_TIMEOUT_SECONDS after a stop.
-BEAT_SECONDS = contract.Liveness().agent_beat_seconds
+# The gang's timeouts are its contract.Liveness (from DTJOB_HEARTBEAT_TIMEOUT); at the default: an
+# agent silent BEAT_TIMEOUT_SECONDS is taken for gone (a whole pod frozen, its network cut), and
+# every agent must have stopped its trainers STOP_TIMEOUT_SECONDS after a stop.
 BEAT_TIMEOUT_SECONDS = contract.Liveness().agent_timeout_seconds
 STOP_TIMEOUT_SECONDS = contract.Liveness().stop_timeout_seconds
 
@@ -145,6 +144,8 @@ class Coordinator:
                 try:
                     message = protocol.decode(line)
                 except protocol.UnknownMessage as err:  # a newer agent's: not for this version
+                    if pod is None:
+                        return  # not an agent of this gang: it said no hello first
                     log.debug("coordinator: pod %s: %s", pod, err)
                     continue
                 if isinstance(message, protocol.Hello):
