@@ -4,9 +4,12 @@ is not a message."""
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 
 from dtjob.launcher import protocol
+from dtjob.launcher.coordinator import Coordinator
 from dtjob.launcher.protocol import (
     Ack,
     Activate,
@@ -23,6 +26,7 @@ from dtjob.launcher.protocol import (
     decode,
     encode,
 )
+from tests.trainer.runtime_gang import free_port
 
 # Each message and its line, as `json.dumps` of the launcher's dicts wrote it.
 WIRE: list[tuple[protocol.Message, bytes]] = [
@@ -89,3 +93,18 @@ def test_a_line_that_is_no_message_raises_saying_why(line: bytes, error: type[Ex
 def test_protocol_errors_are_value_errors() -> None:
     """The receivers' `except ValueError` (a malformed JSON line before) still catches them."""
     assert issubclass(UnknownMessage, ProtocolError) and issubclass(ProtocolError, ValueError)
+
+
+def test_the_coordinator_skips_a_newer_agents_message_and_drops_a_malformed_line() -> None:
+    coordinator = Coordinator(free_port(), pods=1, restarts_left=0, job_uid="uid-p")
+    coordinator.start()
+    address = ("127.0.0.1", coordinator.port)
+    with socket.create_connection(address, timeout=10) as stranger:
+        stranger.sendall(b'{"resize": 4}\n')
+        assert stranger.recv(100) == b"", "a line before the hello closes the connection"
+    with socket.create_connection(address, timeout=10) as agent:
+        agent.sendall(b'{"hello": 0, "job": "uid-p"}\n{"resize": 4}\n{"beat": 0}\n')
+        assert agent.makefile("rb").readline() == b'{"ack": true}\n', "the unknown line is skipped"
+    with socket.create_connection(address, timeout=10) as agent:
+        agent.sendall(b'{"hello": 0, "job": "uid-p"}\n{"beat": "zero"}\n')
+        assert agent.recv(100) == b"", "a malformed line closes the connection"
