@@ -169,9 +169,12 @@ class Agent:
             if settings.pod == 0:
                 try:
                     self.coordinator = Coordinator(
-                        settings.agent_port, settings.pods, settings.restarts_left, settings.job_uid,
+                        settings.agent_port,
+                        settings.pods,
+                        settings.restarts_left,
+                        settings.job_uid,
                         settings.liveness,
-                    )  # fmt: skip
+                    )
                     self.coordinator.start()
                 except OSError as err:  # the trainers still run; their failures go to the operator
                     self._say(f"cannot listen on {contract.ENV_AGENT_PORT}={settings.agent_port}: {err}; "

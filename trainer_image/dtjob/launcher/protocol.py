@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -120,9 +121,7 @@ AgentMessage = Hello | Beat | Terminating | Failed | Stopped
 CoordinatorMessage = Ack | Stop | Start | GiveUp
 Message = AgentMessage | CoordinatorMessage | Activate
 
-MESSAGES: tuple[type[Message], ...] = (
-    Hello, Beat, Terminating, Failed, Stopped, Ack, Stop, Start, GiveUp, Activate,
-)  # fmt: skip
+MESSAGES: tuple[type[Message], ...] = typing.get_args(Message)
 _BY_TAG: dict[str, type[Message]] = {kind.TAG: kind for kind in MESSAGES}
 
 
