@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from dtjob.operator.actions import CreateService
 from dtjob.operator.cache import ClusterCache, Informer, _namespace_of
 from dtjob.operator.kube import Kube
 from dtjob.operator.ownership import CheckpointDir, Claim, checkpoint_dir, claims, released
@@ -53,8 +54,11 @@ def pass_of(job: dict[str, Any], others: list[dict[str, Any]], now: float = 100.
 def test_a_second_job_on_the_same_claim_is_held_naming_the_first_and_starts_once_it_finishes() -> None:
     first = job_on("first", PVC, created=0, status=running_status())
     second = job_on("second", PVC, created=10)
-    actions = pass_of(second, [first, second])
+    actions = run(
+        second, [], two_nodes(), service_exists=False, checkpoint_claims=claims(second, [first], no_pods)
+    )
     assert creates(actions) == [], "held: no pods"
+    assert not any(isinstance(a, CreateService) for a in actions), "nor its Service"
     reason, message = waiting(actions) or ("", "")
     assert reason == "CheckpointDirInUse"
     assert (

@@ -491,10 +491,10 @@ class ClusterCache:
         namespace, name = key_of(job)
         directory = ownership.checkpoint_dir(job)
         for other in self.jobs_in(namespace):
-            theirs = ownership.checkpoint_dir(other)
-            if key_of(other)[1] == name or theirs is None or directory is None:
+            if key_of(other)[1] == name or directory is None or not ownership.waiting_here(other):
                 continue
-            if ownership.waiting_here(other) and theirs.overlaps(directory):
+            theirs = ownership.checkpoint_dir(other)
+            if theirs is not None and theirs.overlaps(directory):
                 self._fire(namespace, key_of(other)[1])
 
     def _node_changed(self, old: Obj | None, new: Obj | None) -> None:

@@ -476,14 +476,14 @@ def plan(obs: Observed, settings: ReconcilerSettings) -> Plan:
     if p.condition(in_place.CONDITION) is not None:  # set by _start: follows the spec from then on
         _say_in_place(p)
 
+    owner = None if p.status.get("phase") else ownership.owner_before(obs.job, obs.checkpoint_claims)
+    if owner is not None:  # rule 2a: nothing is created, not even the Service
+        _hold_for(p, owner)
+        return _finish(p)
     _silent_nodes(p)
     if not obs.service_exists:
         p.actions.append(CreateService(manifests.headless_service(job)))
     if not p.status.get("phase"):
-        owner = ownership.owner_before(obs.job, obs.checkpoint_claims)
-        if owner is not None:  # rule 2a
-            _hold_for(p, owner)
-            return _finish(p)
         _start(p)
     p.status["selector"] = job.selector
 
