@@ -223,7 +223,11 @@ class DistributedTrainingJobSpec(ApiModel):
     )
     checkpoint: CheckpointSpec | None = Field(
         default=None,
-        description="Shared checkpoint storage. Unset: every new generation starts from step 0. Immutable.",
+        description="Shared checkpoint storage. Unset: every new generation starts from step 0. Immutable. "
+        "One job writes a directory at a time: a job whose volume (the same claim, or the same "
+        "server and path, normalised, one inside the other included) another live job of the "
+        "namespace uses does not start (condition Waiting, reason CheckpointDirInUse) until that "
+        "job finishes or is deleted. The job that started first owns it, else the older.",
     )
     scheduling: SchedulingPolicy = Field(
         default_factory=lambda: SchedulingPolicy(),

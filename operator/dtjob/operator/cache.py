@@ -52,6 +52,7 @@ from typing import Any, Protocol, overload
 
 from kubernetes.client.rest import ApiException
 
+from dtjob.operator import ownership
 from dtjob.operator.capacity import node_is_ready
 from dtjob.operator.jobview import (
     GROUP,
@@ -364,6 +365,10 @@ def _job_of(pod: Obj) -> list[tuple[str, str]]:
     return [(str(meta.get("namespace") or ""), job)] if job else []
 
 
+def _namespace_of(obj: Obj) -> list[str]:
+    return [key_of(obj)[0]]
+
+
 def _node_of(pod: Obj) -> list[str]:
     node = (pod.get("spec") or {}).get("nodeName")
     return [node] if node else []
@@ -477,6 +482,20 @@ class ClusterCache:
             return  # a new job: kopf's event triggers its first pass (see the module's docstring)
         if new is None or _job_spec_or_meta(old) != _job_spec_or_meta(new):
             self._fire(*key_of(old or new or {}))
+        if ownership.released(old, new):
+            self._fire_held_behind(old)
+
+    def _fire_held_behind(self, job: Obj) -> None:
+        """The jobs of the namespace held by reconciler rule 2a on a directory that overlaps the
+        one `job` just released (finished or deleted): their pass may start them now."""
+        namespace, name = key_of(job)
+        directory = ownership.checkpoint_dir(job)
+        for other in self.jobs_in(namespace):
+            if key_of(other)[1] == name or directory is None or not ownership.waiting_here(other):
+                continue
+            theirs = ownership.checkpoint_dir(other)
+            if theirs is not None and theirs.overlaps(directory):
+                self._fire(namespace, key_of(other)[1])
 
     def _node_changed(self, old: Obj | None, new: Obj | None) -> None:
         was_ready = old is not None and node_is_ready(old)
@@ -501,7 +520,12 @@ class ClusterCache:
                 services = Informer(self.raw, f"services{where}", path, selector, trim=trim_service)
                 self.services.append(services)
                 jobs = f"/apis/{GROUP}/{VERSION}" + (f"/namespaces/{quoted(ns)}" if ns else "") + f"/{PLURAL}"
-                self.jobs.append(Informer(self.raw, f"jobs{where}", jobs, on_change=self._job_changed))
+                self.jobs.append(
+                    Informer(
+                        self.raw, f"jobs{where}", jobs, indexes={"namespace": _namespace_of},
+                        on_change=self._job_changed,
+                    )
+                )  # fmt: skip
             self.nodes = Informer(
                 self.raw, "nodes", "/api/v1/nodes", trim=trim_node, on_change=self._node_changed
             )
@@ -580,6 +604,10 @@ class ClusterCache:
         if informer is None or not informer.synced.is_set():
             return None
         return informer.get((namespace, name))
+
+    def jobs_in(self, namespace: str) -> list[Obj]:
+        """The cached jobs of one namespace."""
+        return [j for informer in self.jobs for j in informer.by_index("namespace", namespace)]
 
     def job_pods(self, namespace: str, job: str) -> list[Obj]:
         pods = [p for informer in self.pods for p in informer.by_index("job", (namespace, job))]

@@ -23,7 +23,7 @@ from kubernetes.client.rest import ApiException
 
 from dtjob import contract
 from dtjob.api import JobPhase
-from dtjob.operator import gang
+from dtjob.operator import gang, ownership
 from dtjob.operator.actions import (
     Action,
     ApplyPodGroup,
@@ -189,7 +189,17 @@ class Kube:
             queue_missing=queue_missing,
             leases=self._leases(view, pods),
             pod_writes_in_flight=sum(len(writes) for writes in pending.values()),
+            checkpoint_claims=self._checkpoint_claims(job),
         )
+
+    def _checkpoint_claims(self, job: dict[str, Any]) -> list[ownership.Claim]:
+        """Observed.checkpoint_claims: the other live jobs of the namespace on an overlapping
+        checkpoint directory, for a job that has not started (the only ones rule 2a holds)."""
+        view = JobView(job)
+        if view.status.get("phase"):
+            return []
+        pods = functools.partial(self.cache.job_pods, view.namespace)
+        return ownership.claims(job, self.cache.jobs_in(view.namespace), pods)
 
     def _leases(self, job: JobView, pods: list[dict[str, Any]]) -> dict[str, str]:
         """spec.renewTime of the node Leases the reconciler may need (Observed.leases): those of

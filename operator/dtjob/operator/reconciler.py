@@ -12,6 +12,9 @@ The rules, in the order they are checked:
 1. A finished job (Succeeded/Failed) only cleans up pods (cleanPodPolicy) and is deleted after
    ttlSecondsAfterFinished.
 2. A new job starts generation 0 at the desired world size (or Suspended when spec says so).
+   2a. Not while another live job of its namespace owns its checkpoint directory (an older one,
+   or one that started first; see dtjob.operator.ownership): it waits, with no pods, Waiting
+   CheckpointDirInUse and a Warning event naming that job, until the owner finishes or is gone.
 3. activeDeadlineSeconds past startTime fails the job.
 4. suspend deletes the pods gracefully (the trainer checkpoints and exits 75); resuming starts a
    new generation, not counted as a restart.
@@ -60,7 +63,7 @@ from typing import Any
 
 from dtjob import contract
 from dtjob.api import JobPhase, validate_job
-from dtjob.operator import accounting, gang, in_place, manifests, recoveries
+from dtjob.operator import accounting, gang, in_place, manifests, ownership, recoveries
 from dtjob.operator.actions import (
     Action,
     ApplyPodGroup,
@@ -158,6 +161,9 @@ class Observed:
     # The job's pod creations and deletions sent by earlier passes and not answered yet (`pods`
     # shows them as done, see dtjob.operator.expectations): they count against this pass's.
     pod_writes_in_flight: int = 0
+    # The other live jobs of the namespace whose checkpoint directory overlaps the job's
+    # (dtjob.operator.ownership); read only for a job that has not started (rule 2a).
+    checkpoint_claims: Sequence[ownership.Claim] = ()
 
 
 def with_condition(
@@ -470,6 +476,10 @@ def plan(obs: Observed, settings: ReconcilerSettings) -> Plan:
     if p.condition(in_place.CONDITION) is not None:  # set by _start: follows the spec from then on
         _say_in_place(p)
 
+    owner = None if p.status.get("phase") else ownership.owner_before(obs.job, obs.checkpoint_claims)
+    if owner is not None:  # rule 2a: nothing is created, not even the Service
+        _hold_for(p, owner)
+        return _finish(p)
     _silent_nodes(p)
     if not obs.service_exists:
         p.actions.append(CreateService(manifests.headless_service(job)))
@@ -589,6 +599,17 @@ def _start(p: _Pass) -> None:
     p.status["worldSize"] = size * p.job.nproc_per_worker
     p.set_phase(PENDING, "Created", f"generation 0: creating {size} workers")  # its Event: Created
     p.set_condition("Created", True, "Created", f"generation 0: creating {size} workers")
+
+
+def _hold_for(p: _Pass, owner: ownership.Claim) -> None:
+    """Rule 2a: wait for the owner of the checkpoint directory; a Warning event when the message
+    is new. The owner finishing triggers this job (dtjob.operator.cache); its last pods stopping
+    do not, so the job is looked at again every tick."""
+    message = ownership.held_message(p.obs.job, owner)
+    if (p.condition(WAITING) or {}).get("message") != message:
+        p.event(ownership.REASON, message, warning=True)
+    p.wait(ownership.REASON, message)
+    p.poll = True
 
 
 def _say_in_place(p: _Pass) -> None:
