@@ -86,9 +86,14 @@ def restarted(
 ) -> None:
     """A recovery begins: on status.recoveries, and in the job's metrics."""
     record, closed = accounting.restarted(
-        p.status, reason=reason, now=p.now, failed_at=failed_at, exit_code=exit_code, planned=planned,
+        p.status,
+        reason=reason,
+        now=p.now,
+        failed_at=failed_at,
+        exit_code=exit_code,
+        planned=planned,
         size_before=size_before,
-    )  # fmt: skip
+    )
     recovered(p, closed)
     if record is not None:
         p.actions.append(JobRestarted(record["cause"], record["stepsRedone"]))
