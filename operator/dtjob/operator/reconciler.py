@@ -7,19 +7,21 @@ level-triggered: whatever happened before (an operator killed half-way, missed e
 observation gives the same decision, and applying it twice does no harm (pod names are fixed per
 rank, so a second create is an AlreadyExists, never a duplicate).
 
-The rules, in the order they are checked:
+The rules, in the order they are checked, each with the functions that hold its details:
 
 1. A finished job (Succeeded/Failed) only cleans up pods (cleanPodPolicy) and is deleted after
-   ttlSecondsAfterFinished.
+   ttlSecondsAfterFinished. [lifecycle.clean_up_finished]
 2. A new job starts generation 0 at the desired world size (or Suspended when spec says so).
-3. activeDeadlineSeconds past startTime fails the job.
+   [lifecycle.start]
+3. activeDeadlineSeconds past startTime fails the job. [lifecycle.deadline_passed]
 4. suspend deletes the pods gracefully (the trainer checkpoints and exits 75); resuming starts a
-   new generation, not counted as a restart.
+   new generation, not counted as a restart. [lifecycle.suspend, restarts.new_generation]
 5. Pods of an older generation are deleted; the new generation's pods are created only after the
    old ones are gone (they share names, and the old rank 0 owns MASTER_ADDR until it exits). A
    deletion that a Ready node's kubelet leaves unfinished 5 s past its grace period (2 s for a
    rank its peers declared lost; a node gone silent, not NotReady yet) is forced, and new
    workers avoid that node (status.silentNodes) until it turns NotReady or renews its Lease.
+   [_converge_pods, nodes.delete, nodes.silent_nodes]
 6. In the current generation: a permanent exit code fails the job; all workers exiting 0 succeeds
    it; a failed, deleted or node-lost worker, survivors exiting 76 (a lost peer, named from their
    logs), or a step that did not advance for progressDeadlineSeconds start a new generation
@@ -27,12 +29,15 @@ The rules, in the order they are checked:
    never below minReplicas; a worker that exited 75 on its own (stopped with a checkpoint) or that
    the scheduler preempted restarts the gang uncounted, and its peers get their full grace period
    to checkpoint. Restarts the pods' agents made in place (elastic.restartInPlace; rank 0's
-   metrics, or a failed pod's agent's last line) count in restarts as well.
+   metrics, or a failed pod's agent's last line) count in restarts as well. [_decide,
+   failures.detect, failures.stalled_gang, restarts.new_generation, restarts.count_in_place]
 7. Pods unschedulable past the elastic scheduling timeout shrink the job to what fits (planned);
    a Volcano gang whose members would fit waits instead (its queue or priority holds it).
+   [rescale.maybe_shrink]
 8. A healthy gang whose world size differs from the desired one rescales (planned): down at
    once on `kubectl scale`, up when the capacity is there, after the generation's first
    checkpoint when the trainer reports checkpoints (condition MetricsAvailable).
+   [rescale.maybe_rescale]
 
 Whenever a rule holds something back, the condition Waiting says what for (old workers to exit,
 workers to run, capacity, a checkpoint, rank 0's metrics, suspend to end, a valid spec). A
@@ -49,11 +54,11 @@ deadline, a TTL, a hold, a grace period running out), and `Plan.poll`, set while
 waits on what no watch of the operator announces (capacity that other jobs free, Volcano's
 queue). Every other change comes as an event: a pod, a node, the job's spec, rank 0's new step.
 
-This file keeps the rules and their order; each rule's details live in a module named for its
-concern: lifecycle.py (rules 1-4: start, deadline, success and failure, clean-up, suspend),
-nodes.py (lost nodes, silent kubelets, deleting workers), failures.py (what failed in the current
-generation), restarts.py (a new generation, restarts in place, recoveries), rescale.py (capacity,
-rules 7 and 8), trainer_reports.py (what rank 0 reports), observed.py (the input) and
+This file keeps the rules and their order; the details live in a module per concern beside it:
+lifecycle.py (start, deadline, success and failure, clean-up, suspend), nodes.py (lost nodes,
+silent kubelets, deleting workers), failures.py (what failed in the current generation),
+restarts.py (a new generation, restarts in place, recoveries), rescale.py (capacity, shrink and
+rescale), trainer_reports.py (what rank 0 reports), observed.py (the input) and
 reconcile_pass.py (the status, actions and phase one pass builds).
 """
 
