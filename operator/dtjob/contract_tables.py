@@ -15,7 +15,7 @@ from pathlib import Path
 from dtjob import contract, generated
 from dtjob.api.models import DEFAULT_MASTER_PORT, DEFAULT_METRICS_PORT, ElasticPolicy
 from dtjob.launcher import agent
-from dtjob.operator import jobview, manifests, reconciler
+from dtjob.operator import jobview, manifests, nodes
 from dtjob.operator.metrics import OperatorMetrics
 from dtjob.operator.settings import ObserverSettings, OperatorSettings, ReconcilerSettings
 
@@ -179,9 +179,9 @@ def liveness() -> list[str]:
         (
             "operator",
             "a deleted pod its node does not confirm (a silent node)",
-            f"grace + {reconciler.SILENT_KUBELET_SECONDS} s (a rank declared lost: "
-            f"{reconciler.LOST_RANK_GRACE_SECONDS} s + {reconciler.SILENT_LOST_RANK_SECONDS} s)",
-            f"force-deletes it; new pods avoid the node {reconciler.SILENT_NODE_AVOID_SECONDS} s",
+            f"grace + {nodes.SILENT_KUBELET_SECONDS} s (a rank declared lost: "
+            f"{nodes.LOST_RANK_GRACE_SECONDS} s + {nodes.SILENT_LOST_RANK_SECONDS} s)",
+            f"force-deletes it; new pods avoid the node {nodes.SILENT_NODE_AVOID_SECONDS} s",
         ),
         (
             "operator",

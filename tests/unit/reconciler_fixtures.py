@@ -10,8 +10,10 @@ from typing import Any
 
 from dtjob.operator.actions import Action, CreatePod, DeletePod, EmitEvent, PatchStatus
 from dtjob.operator.expectations import Expectations, overlay
-from dtjob.operator.reconciler import Observed, reconcile, to_rfc3339
+from dtjob.operator.observed import Observed
+from dtjob.operator.reconciler import reconcile
 from dtjob.operator.settings import ReconcilerSettings
+from dtjob.operator.timefmt import to_rfc3339
 
 T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
 

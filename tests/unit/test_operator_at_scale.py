@@ -20,8 +20,9 @@ from dtjob.operator.capacity import node_admits, workers_that_fit
 from dtjob.operator.expectations import overlay
 from dtjob.operator.jobview import JobView
 from dtjob.operator.metrics import OperatorMetrics
+from dtjob.operator.observed import Observed, WorkerCache
 from dtjob.operator.passes import JobPassRunner
-from dtjob.operator.reconciler import Observed, Worker, plan, reconcile
+from dtjob.operator.reconciler import plan, reconcile
 from dtjob.operator.settings import OperatorSettings, ReconcilerSettings
 from dtjob.operator.writer import JobChanged, JobWriter, Outcome
 from tests.unit.reconciler_fixtures import (
@@ -347,15 +348,16 @@ def test_a_pass_builds_only_the_pod_manifests_it_sends(monkeypatch: pytest.Monke
 
 
 def test_a_versioned_pod_is_parsed_once_and_its_deletion_in_flight_is_seen() -> None:
+    workers = WorkerCache()
     pod = make_pod(3, phase="Running", node="n1")
     pod["metadata"].update(uid="u-3", resourceVersion="41")
-    first = Worker.of(pod)
-    assert Worker.of(copy.deepcopy(pod)) is first, "parsed once per resourceVersion"
+    first = workers.of(pod)
+    assert workers.of(copy.deepcopy(pod)) is first, "parsed once per resourceVersion"
     [deleting] = overlay([pod], {"gpt-worker-3": [DeletePod("gpt-worker-3", "x", grace_seconds=1)]}, at(5))
-    assert Worker.of(deleting).deleting and not first.deleting
+    assert workers.of(deleting).deleting and not first.deleting
     newer = copy.deepcopy(pod)
     newer["metadata"]["resourceVersion"] = "42"
     newer["status"]["phase"] = "Failed"
-    assert Worker.of(newer).phase == "Failed"
+    assert workers.of(newer).phase == "Failed"
     unversioned = make_pod(3, phase="Pending", node=None)
-    assert Worker.of(unversioned) is not Worker.of(unversioned), "no version: parsed each time"
+    assert workers.of(unversioned) is not workers.of(unversioned), "no version: parsed each time"

@@ -26,8 +26,10 @@ from dtjob.operator.expectations import Expectations, overlay
 from dtjob.operator.jobview import FINALIZER, JobView
 from dtjob.operator.kube import same_but_bookkeeping
 from dtjob.operator.metrics import OperatorMetrics
+from dtjob.operator.nodes import silent_deletion
+from dtjob.operator.observed import Observed, Worker
 from dtjob.operator.passes import JobPassRunner
-from dtjob.operator.reconciler import Observed, Worker, plan, reconcile, silent_deletion
+from dtjob.operator.reconciler import plan, reconcile
 from dtjob.operator.settings import OperatorSettings, ReconcilerSettings, RetrySettings
 from dtjob.operator.writer import ActionFailed, JobChanged, JobWriter, Outcome
 from tests.unit.reconciler_fixtures import (

@@ -11,8 +11,9 @@ from dtjob.operator.actions import CreateService
 from dtjob.operator.cache import ClusterCache, Informer, _namespace_of
 from dtjob.operator.kube import Kube
 from dtjob.operator.ownership import CheckpointDir, Claim, checkpoint_dir, claims, released
-from dtjob.operator.reconciler import plan, to_rfc3339
+from dtjob.operator.reconciler import plan
 from dtjob.operator.settings import ReconcilerSettings
+from dtjob.operator.timefmt import to_rfc3339
 from tests.unit.reconciler_fixtures import (
     applied,
     at,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from dtjob.operator.actions import CountRescale, CountRestart, ObserveRecovery, PatchStatus
-from dtjob.operator.reconciler import to_rfc3339
+from dtjob.operator.timefmt import to_rfc3339
 from tests.unit.reconciler_fixtures import (
     applied,
     at,

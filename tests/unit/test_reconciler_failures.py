@@ -5,12 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 from dtjob.operator.actions import CountRestart, ObserveRecovery
-from dtjob.operator.reconciler import (
+from dtjob.operator.nodes import (
     LOST_RANK_GRACE_SECONDS,
     SILENT_KUBELET_SECONDS,
     SILENT_LOST_RANK_SECONDS,
-    plan,
 )
+from dtjob.operator.reconciler import plan
 from dtjob.operator.settings import ReconcilerSettings
 from tests.unit.reconciler_fixtures import (
     at,

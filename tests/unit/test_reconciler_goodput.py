@@ -13,8 +13,8 @@ from dtjob.operator import accounting
 from dtjob.operator.actions import Action, JobRecovered, JobRestarted
 from dtjob.operator.metrics import OperatorMetrics
 from dtjob.operator.progress import TrainerProgress
-from dtjob.operator.reconciler import to_rfc3339
 from dtjob.operator.scrape import parse_trainer_metrics
+from dtjob.operator.timefmt import to_rfc3339
 from tests.unit.reconciler_fixtures import (
     applied,
     at,

@@ -10,7 +10,8 @@ from dtjob.operator.actions import (
     ObserveRecovery,
     PatchStatus,
 )
-from dtjob.operator.reconciler import TrainerProgress, to_rfc3339
+from dtjob.operator.progress import TrainerProgress
+from dtjob.operator.timefmt import to_rfc3339
 from tests.unit.reconciler_fixtures import (
     applied,
     at,

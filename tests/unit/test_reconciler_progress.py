@@ -8,8 +8,8 @@ from typing import Any
 from dtjob import contract
 from dtjob.operator.actions import CountRestart
 from dtjob.operator.progress import TrainerProgress
-from dtjob.operator.reconciler import to_rfc3339
 from dtjob.operator.settings import ReconcilerSettings
+from dtjob.operator.timefmt import to_rfc3339
 from tests.unit.reconciler_fixtures import (
     applied,
     at,

@@ -43,9 +43,12 @@ from dtjob.operator.actions import (
     ObserveRecovery,
     PatchStatus,
 )
+from dtjob.operator.failures import FAILURE_REASONS
+from dtjob.operator.observed import Observed
 from dtjob.operator.progress import TrainerProgress
-from dtjob.operator.reconciler import FAILURE_REASONS, Observed, plan, reconcile, to_rfc3339
+from dtjob.operator.reconciler import plan, reconcile
 from dtjob.operator.settings import ReconcilerSettings
+from dtjob.operator.timefmt import to_rfc3339
 from tests.unit.reconciler_fixtures import at, make_job, make_node, make_pod, status_patch
 
 SETTINGS = ReconcilerSettings()

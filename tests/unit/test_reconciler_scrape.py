@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dtjob.operator.kube import final_state_from_log
-from dtjob.operator.reconciler import TrainerProgress
+from dtjob.operator.progress import TrainerProgress
 from dtjob.operator.scrape import parse_trainer_metrics
 
 EXPOSITION = """# HELP dtjob_trainer_step Last completed step

@@ -8,7 +8,7 @@ from typing import Any
 
 from dtjob.operator import gang as volcano
 from dtjob.operator.actions import ApplyPodGroup, CountRestart
-from dtjob.operator.reconciler import to_rfc3339
+from dtjob.operator.timefmt import to_rfc3339
 from tests.unit.reconciler_fixtures import (
     at,
     creates,

@@ -13,7 +13,7 @@ A creation not answered yet is a Pending pod without a node, created "now": an u
 timeout counts from no earlier than the moment the pass sees it. A deletion not answered yet
 marks its pod deleting with a deadline of "now" plus its grace period: the API server sets the
 deadline when the deletion reaches it, so a deletion still in the writer's queue is never one
-that a kubelet left unfinished (a silent kubelet, see reconciler.silent_deletion).
+that a kubelet left unfinished (a silent kubelet, see nodes.silent_deletion).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 
 from dtjob.operator.actions import CreatePod, DeletePod
 from dtjob.operator.cache import trim_pod
-from dtjob.operator.reconciler import to_rfc3339
+from dtjob.operator.timefmt import to_rfc3339
 
 Key = tuple[str, str]  # the job: (namespace, name)
 Obj = dict[str, Any]

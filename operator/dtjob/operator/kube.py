@@ -44,9 +44,10 @@ from dtjob.operator.expectations import Key, overlay
 from dtjob.operator.jobview import API_VERSION, GROUP, KIND, PLURAL, VERSION, JobView
 from dtjob.operator.manifests import PODGROUP_API_VERSION
 from dtjob.operator.metrics import OperatorMetrics
+from dtjob.operator.nodes import silent_deletion
+from dtjob.operator.observed import Observed, WorkerCache
 from dtjob.operator.progress import TrainerProgress
 from dtjob.operator.rawapi import RawApi, quoted
-from dtjob.operator.reconciler import Observed, Worker, silent_deletion
 from dtjob.operator.scrape import Scraper, Target
 from dtjob.operator.settings import ObserverSettings
 from dtjob.operator.writer import ActionFailed, JobChanged, JobWriter, Outcome, log_pod_writes
@@ -119,6 +120,8 @@ class Kube:
         # The resourceVersion of each job's last status patch, as the API server answered it.
         self.written: dict[Key, str] = {}
         self.scraper = Scraper(settings)
+        # Worker pods parsed once per version, for every pass's Observed and this client's reads.
+        self.workers = WorkerCache()
         self.writer = JobWriter(
             head=self._execute_one,
             pod=self._pod_write,
@@ -190,6 +193,7 @@ class Kube:
             leases=self._leases(view, pods),
             pod_writes_in_flight=sum(len(writes) for writes in pending.values()),
             checkpoint_claims=self._checkpoint_claims(job),
+            worker_cache=self.workers,
         )
 
     def _checkpoint_claims(self, job: dict[str, Any]) -> list[ownership.Claim]:
@@ -208,7 +212,7 @@ class Kube:
         now = datetime.now(UTC)
         nodes = {str(e.get("name")) for e in job.status.get("silentNodes") or []}
         deleting = [pod for pod in pods if (pod.get("metadata") or {}).get("deletionTimestamp")]
-        for w in (Worker.of(pod) for pod in deleting):  # a pass of 1,024 pods parses none of them
+        for w in (self.workers.of(pod) for pod in deleting):  # a pass of 1,024 pods parses none of them
             if w.node_name and silent_deletion(w, now):
                 nodes.add(w.node_name)
         # At once, not one after the other: when KWOK (which plays every simulated kubelet) fell
@@ -242,7 +246,7 @@ class Kube:
         in_place = not job.spec_errors and job.restart_in_place
         candidates = [
             w
-            for w in (Worker.of(pod) for pod in pods)
+            for w in (self.workers.of(pod) for pod in pods)
             if w.generation == job.status.get("generation")
             and w.phase == "Failed"
             and w.exit_code != contract.EXIT_STOPPED
@@ -294,7 +298,7 @@ class Kube:
         closing line once it succeeded."""
         generation = job.status.get("generation")
         for pod in pods:
-            w = Worker.of(pod)
+            w = self.workers.of(pod)
             if w.rank != 0 or w.generation != generation:
                 continue
             if w.phase == "Succeeded":

@@ -54,10 +54,11 @@ from pydantic import ValidationError
 from dtjob.api import JobPhase
 from dtjob.operator.actions import EmitEvent, PatchStatus
 from dtjob.operator.coalescer import Coalescer, Later
+from dtjob.operator.conditions import with_condition
 from dtjob.operator.jobview import finalized
 from dtjob.operator.kube import Kube
 from dtjob.operator.metrics import OperatorMetrics
-from dtjob.operator.reconciler import Plan, plan, with_condition
+from dtjob.operator.reconciler import Plan, plan
 from dtjob.operator.settings import OperatorSettings
 from dtjob.operator.writer import ActionFailed, JobChanged, describe_action
 
