@@ -55,9 +55,14 @@ def _model(name: str = "gpt") -> nn.Module:
 
         transformers.logging.set_verbosity_error()
         config = transformers.GPT2Config(
-            vocab_size=MODEL["vocab"], n_positions=MODEL["seq_len"], n_embd=MODEL["width"],
-            n_layer=MODEL["depth"], n_head=MODEL["heads"], bos_token_id=0, eos_token_id=0,
-        )  # fmt: skip
+            vocab_size=MODEL["vocab"],
+            n_positions=MODEL["seq_len"],
+            n_embd=MODEL["width"],
+            n_layer=MODEL["depth"],
+            n_head=MODEL["heads"],
+            bos_token_id=0,
+            eos_token_id=0,
+        )
         return transformers.GPT2LMHeadModel(config)
     return GPT(GPTConfig(**MODEL))
 

@@ -42,9 +42,14 @@ def kubectl(
     *args: str, input: str | None = None, check: bool = True, timeout: float = KUBECTL_TIMEOUT
 ) -> subprocess.CompletedProcess[str]:
     result = subprocess.run(
-        [kubectl_path(), *args], input=input, capture_output=True, text=True, timeout=timeout,
-        env=kube_env(), check=False,
-    )  # fmt: skip
+        [kubectl_path(), *args],
+        input=input,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=kube_env(),
+        check=False,
+    )
     if check and result.returncode != 0:
         raise BenchError(f"kubectl {' '.join(args)}: exit {result.returncode}: {result.stderr.strip()}")
     return result
@@ -83,8 +88,11 @@ def devcluster(*args: str, timeout: float = 600.0) -> None:
 
     result = subprocess.run(
         [sys.executable, "-m", "dtjob.cli", "devcluster", *args],
-        capture_output=True, text=True, timeout=timeout, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
     if result.returncode != 0:
         raise BenchError(
             f"dtjob devcluster {' '.join(args)}: {result.stderr.strip() or result.stdout.strip()}"
@@ -104,10 +112,22 @@ class Created:
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
-            [kubectl_path(), "get", self.resource, "-n", self.namespace, "--watch", "--output-watch-events",
-             "-o", "jsonpath={.object.metadata.uid} {.object.metadata.name}{\"\\n\"}"],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=kube_env(),
-        )  # fmt: skip
+            [
+                kubectl_path(),
+                "get",
+                self.resource,
+                "-n",
+                self.namespace,
+                "--watch",
+                "--output-watch-events",
+                "-o",
+                'jsonpath={.object.metadata.uid} {.object.metadata.name}{"\\n"}',
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env=kube_env(),
+        )
         self._thread = threading.Thread(target=self._read, daemon=True)
         self._thread.start()
 
