@@ -120,11 +120,17 @@ class ObserverSettings:
 
     def __post_init__(self) -> None:
         _check_positive(
-            self, "cache_sync_timeout_seconds", "api_concurrency", "job_write_concurrency",
+            self,
+            "cache_sync_timeout_seconds",
+            "api_concurrency",
+            "job_write_concurrency",
             "metrics_timeout_seconds",
-            "scrape_workers", "scrape_interval_seconds", "scrape_backoff_max_seconds",
-            "log_tail_lines", "log_reads_per_pass",
-        )  # fmt: skip
+            "scrape_workers",
+            "scrape_interval_seconds",
+            "scrape_backoff_max_seconds",
+            "log_tail_lines",
+            "log_reads_per_pass",
+        )
 
 
 @dataclass(frozen=True)
