@@ -237,8 +237,15 @@ def _start_missing(
     _wait_default_service_account(layout, timeout)
     if config.fake_nodes or kwok.pid(layout) is not None:
         c = config
-        kwok.ensure(layout, c.fake_nodes, c.fake_gpus_per_node, c.fake_cpus_per_node,
-                    c.fake_memory_per_node, c.fake_pods_per_node, started)  # fmt: skip
+        kwok.ensure(
+            layout,
+            c.fake_nodes,
+            c.fake_gpus_per_node,
+            c.fake_cpus_per_node,
+            c.fake_memory_per_node,
+            c.fake_pods_per_node,
+            started,
+        )
     if config.volcano:
         _start_volcano(layout, binaries, started, timeout)
 
