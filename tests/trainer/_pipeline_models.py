@@ -39,11 +39,22 @@ def t5() -> nn.Module:
 
     transformers.logging.set_verbosity_error()
     config = transformers.T5Config(
-        vocab_size=T5_VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
-        num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=16,
-        dropout_rate=0.0, use_cache=False, decoder_start_token_id=0, pad_token_id=0,
-        eos_token_id=1, tie_word_embeddings=True,
-    )  # fmt: skip
+        vocab_size=T5_VOCAB,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=16,
+        dropout_rate=0.0,
+        use_cache=False,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        eos_token_id=1,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     return transformers.T5ForConditionalGeneration(config)
 

@@ -124,8 +124,14 @@ def _wait_for_port(host: str, port: int, deadline: float) -> None:
             now = time.monotonic()
             if now - reported >= _WAIT_REPORT_SECONDS:
                 reported = now
-                log.warning("waiting %.0fs for the master's store at %s:%d (%s): %s",
-                            now - started, host, port, _address_of(host), err)  # fmt: skip
+                log.warning(
+                    "waiting %.0fs for the master's store at %s:%d (%s): %s",
+                    now - started,
+                    host,
+                    port,
+                    _address_of(host),
+                    err,
+                )
             time.sleep(_PORT_RETRY_SECONDS)
 
 
