@@ -39,7 +39,6 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -52,6 +51,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from dtjob.devcluster.clienttools import admin_env, free_port, kubectl
 from dtjob.devcluster.layout import Layout
 from dtjob.devcluster.scale_harness import (
     Admin,
@@ -103,31 +103,10 @@ def ensure_cluster() -> bool:
     return True
 
 
-def kubectl(*args: str, input: str | None = None, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    from dtjob.devcluster.binaries import Binaries
-
-    env = {**os.environ, "KUBECONFIG": str(Layout.from_env().admin_kubeconfig)}
-    return subprocess.run(
-        [str(Binaries.pinned().path("kubectl")), *args],
-        input=input,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        check=False,
-    )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class Operator:
     def __init__(self, namespace: str, log: Path) -> None:
         self.port = free_port()
-        env = {**os.environ, "KUBECONFIG": str(Layout.from_env().admin_kubeconfig)}
+        env = admin_env()
         with log.open("ab") as out:
             self.proc = subprocess.Popen(
                 [

@@ -34,13 +34,14 @@ from bench.peers.operators import (
     HostOperator,
     TrainingOperator,
     build_training_operator,
-    free_port,
     install_dtjob_crd,
     install_training_operator,
     training_operator_version,
     webhook_says,
 )
 from bench.peers.scenarios import SCENARIOS, TOTAL_STEPS, run_repeat
+
+from dtjob.devcluster.clienttools import free_port
 
 DEFAULT_PARTS = Path(os.environ.get("DTJOB_BENCH_PEERS_PARTS", "/var/tmp/dtjob-bench-peers/parts"))
 NAMESPACES = {"dtjob": "bench-dtjob", "pytorchjob": "bench-pytorchjob"}

@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from dtjob.devcluster.binaries import Binaries
+from dtjob.devcluster.clienttools import admin_env
+from dtjob.devcluster.clienttools import kubectl as admin_kubectl
 from dtjob.devcluster.layout import Layout
 
 KUBECTL_TIMEOUT = 120.0
@@ -34,22 +36,11 @@ def kubectl_path() -> str:
     return str(Binaries.pinned().path("kubectl"))
 
 
-def kube_env() -> dict[str, str]:
-    return {**os.environ, "KUBECONFIG": str(layout().admin_kubeconfig)}
-
-
 def kubectl(
     *args: str, input: str | None = None, check: bool = True, timeout: float = KUBECTL_TIMEOUT
 ) -> subprocess.CompletedProcess[str]:
-    result = subprocess.run(
-        [kubectl_path(), *args],
-        input=input,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=kube_env(),
-        check=False,
-    )
+    """The admin kubectl; with `check`, a non-zero exit raises BenchError with kubectl's stderr."""
+    result = admin_kubectl(*args, input=input, timeout=timeout)
     if check and result.returncode != 0:
         raise BenchError(f"kubectl {' '.join(args)}: exit {result.returncode}: {result.stderr.strip()}")
     return result
@@ -126,7 +117,7 @@ class Created:
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             text=True,
-            env=kube_env(),
+            env=admin_env(),
         )
         self._thread = threading.Thread(target=self._read, daemon=True)
         self._thread.start()

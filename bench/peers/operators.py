@@ -21,7 +21,6 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -37,6 +36,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from dtjob.devcluster.clienttools import admin_env, free_port
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 DTJOB_CRD = REPO / "crds" / "training.dtjob.io_distributedtrainingjobs.yaml"
@@ -47,12 +48,6 @@ WEBHOOK_DNS = f"training-operator.{KUBEFLOW_NS}.svc"
 CA_NAME = "training-operator-ca"  # the rotator checks the CA certificate against this name
 # Where v1.8.1's webhook server reads its certificate (fixed in its pkg/cert, not a flag).
 WEBHOOK_CERT_DIR = Path("/tmp/k8s-webhook-server/serving-certs")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def training_operator_version() -> str:
@@ -149,7 +144,7 @@ class DtjobOperator(HostOperator):
             "--metrics-port",
             str(self.metrics_port),
         ]
-        return argv, {**os.environ, "KUBECONFIG": str(layout().admin_kubeconfig)}
+        return argv, admin_env()
 
     def ready(self) -> bool:
         return _http_ok(f"http://127.0.0.1:{self.liveness_port}/healthz")

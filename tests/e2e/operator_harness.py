@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,17 +25,12 @@ from typing import Any
 import pytest
 import yaml
 
+from dtjob.devcluster.clienttools import free_port
 from tests.e2e.conftest import apply_crd, kubectl, kubectl_json, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 CRD = REPO / "crds" / "training.dtjob.io_distributedtrainingjobs.yaml"
 SCRATCH = Path("/tmp/dtjob-e2e-operator")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
