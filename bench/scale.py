@@ -51,7 +51,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from dtjob.devcluster.clienttools import admin_env, free_port, kubectl
+from dtjob.devcluster.host import admin_env, free_port, kubectl
 from dtjob.devcluster.layout import Layout
 from dtjob.devcluster.scale_harness import (
     Admin,

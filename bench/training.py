@@ -39,7 +39,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from dtjob.devcluster.clienttools import free_port
+from dtjob.devcluster.host import free_port
 from dtjob.trainer.models import GPT, GPTConfig
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -41,7 +41,7 @@ from bench.peers.operators import (
 )
 from bench.peers.scenarios import SCENARIOS, TOTAL_STEPS, run_repeat
 
-from dtjob.devcluster.clienttools import free_port
+from dtjob.devcluster.host import free_port
 
 DEFAULT_PARTS = Path(os.environ.get("DTJOB_BENCH_PEERS_PARTS", "/var/tmp/dtjob-bench-peers/parts"))
 NAMESPACES = {"dtjob": "bench-dtjob", "pytorchjob": "bench-pytorchjob"}

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from dtjob.devcluster.binaries import Binaries
-from dtjob.devcluster.clienttools import admin_env
-from dtjob.devcluster.clienttools import kubectl as admin_kubectl
+from dtjob.devcluster.host import admin_env
+from dtjob.devcluster.host import kubectl as admin_kubectl
 from dtjob.devcluster.layout import Layout
 
 KUBECTL_TIMEOUT = 120.0

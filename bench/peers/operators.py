@@ -36,7 +36,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from dtjob.devcluster.clienttools import admin_env, free_port
+from dtjob.devcluster.host import admin_env, free_port
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]

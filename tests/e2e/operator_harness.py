@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import yaml
 
-from dtjob.devcluster.clienttools import free_port
+from dtjob.devcluster.host import free_port
 from tests.e2e.conftest import apply_crd, kubectl, kubectl_json, wait_for
 
 REPO = Path(__file__).resolve().parents[2]

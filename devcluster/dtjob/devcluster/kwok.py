@@ -23,7 +23,6 @@ import ipaddress
 import json
 import os
 import shutil
-import socket
 import subprocess
 import time
 import urllib.request
@@ -34,6 +33,7 @@ from dtjob.devcluster import processes
 from dtjob.devcluster.apiclient import ApiClient
 from dtjob.devcluster.binaries import DEVCLUSTER_SOURCE, cache_dir, read_versions
 from dtjob.devcluster.errors import DevclusterError
+from dtjob.devcluster.host import port_free
 from dtjob.devcluster.layout import BRIDGE_ADDRESS, POD_NETWORK, Layout
 
 COMPONENT = "kwok"
@@ -232,16 +232,6 @@ def check_shape(nodelets: int) -> None:
         raise DevclusterError(f"{FAKE_POD_CIDR} is not inside the pod network {POD_NETWORK}")
 
 
-def _port_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 def ensure(
     layout: Layout, count: int, gpus: int, cpus: str, memory: str, pods: int, started: list[str]
 ) -> None:
@@ -259,7 +249,7 @@ def ensure(
         return
     running = pid(layout)
     if running is None:
-        if not _port_free(SERVER_PORT):
+        if not port_free(SERVER_PORT, "127.0.0.1"):
             raise DevclusterError(
                 f"port {SERVER_PORT} (needed by kwok) is in use by another process; stop it "
                 f"(`ss -ltnp 'sport = :{SERVER_PORT}'` shows which) and retry"

@@ -1,5 +1,5 @@
-"""What a client of the devcluster on this machine needs (bench/ and the e2e harness): the admin
-kubectl and a free local port for a process it starts."""
+"""This machine's side of the devcluster: its ports (is one free, pick a free one) and the admin
+kubectl that bench/ and the e2e harness run."""
 
 from __future__ import annotations
 
@@ -9,6 +9,17 @@ import subprocess
 
 from dtjob.devcluster.binaries import Binaries
 from dtjob.devcluster.layout import Layout
+
+
+def port_free(port: int, host: str = "0.0.0.0") -> bool:
+    """Whether a server could listen on `port` of `host` now (0.0.0.0: on every address)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def free_port() -> int:
