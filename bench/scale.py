@@ -238,8 +238,8 @@ def measured(before: Snapshot, after: Snapshot) -> dict[str, Any]:
         "passes": reconcile.get(float("inf"), 0.0),
         "reconcile_p50_s": quantile(reconcile, 0.5),
         "reconcile_p99_s": quantile(reconcile, 0.99),
-        # From a pass handing a write over to its answer (the operator's writer, from 2026-12-04;
-        # before, the reconcile histogram held these waits): None for an operator without it.
+        # From a pass handing a write over to its answer (dtjob_operator_write_duration_seconds):
+        # None for an operator without that histogram, whose reconcile histogram holds the waits.
         "write_status_p50_s": quantile(writes["status"], 0.5),
         "write_status_p99_s": quantile(writes["status"], 0.99),
         "write_pod_p50_s": quantile(writes["pod"], 0.5),
