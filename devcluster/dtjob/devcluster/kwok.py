@@ -58,8 +58,8 @@ LEASE_SECONDS = 40
 # Stage plays KWOK runs at once (its default is 4): pods of a 1,024-worker gang go Running in
 # about a second instead of waiting in KWOK's queue behind each other.
 POD_PLAY_PARALLELISM = 16
-# Leases KWOK renews at once (its default is 4): 128 simulated nodes on a machine at load 15 kept
-# 4 renewals too far behind, and nodes turned NotReady in the middle of a 256-worker run.
+# Leases KWOK renews at once (its default is 4): with 4, the renewals of 128 simulated nodes on a
+# machine at load 15 fall behind and nodes turn NotReady in the middle of a 256-worker run.
 NODE_LEASE_PARALLELISM = 16
 READY_TIMEOUT = 180.0
 
