@@ -39,7 +39,6 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -52,6 +51,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from dtjob.devcluster.host import admin_env, free_port, kubectl
 from dtjob.devcluster.layout import Layout
 from dtjob.devcluster.scale_harness import (
     Admin,
@@ -75,8 +75,13 @@ WRITES = "dtjob_operator_write_duration_seconds"
 
 
 def dtjob(*args: str, timeout: float = 1800) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "dtjob.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, check=False)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "dtjob.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
 
 
 def ensure_cluster() -> bool:
@@ -98,30 +103,29 @@ def ensure_cluster() -> bool:
     return True
 
 
-def kubectl(*args: str, input: str | None = None, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    from dtjob.devcluster.binaries import Binaries
-
-    env = {**os.environ, "KUBECONFIG": str(Layout.from_env().admin_kubeconfig)}
-    return subprocess.run([str(Binaries.pinned().path("kubectl")), *args], input=input, capture_output=True,
-                          text=True, timeout=timeout, env=env, check=False)  # fmt: skip
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class Operator:
     def __init__(self, namespace: str, log: Path) -> None:
         self.port = free_port()
-        env = {**os.environ, "KUBECONFIG": str(Layout.from_env().admin_kubeconfig)}
+        env = admin_env()
         with log.open("ab") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "dtjob.cli", "operator", "--namespace", namespace, "--standalone",
-                 "--liveness", f"http://127.0.0.1:{free_port()}/healthz", "--metrics-port", str(self.port)],
-                stdout=out, stderr=subprocess.STDOUT, env=env,
-            )  # fmt: skip
+                [
+                    sys.executable,
+                    "-m",
+                    "dtjob.cli",
+                    "operator",
+                    "--namespace",
+                    namespace,
+                    "--standalone",
+                    "--liveness",
+                    f"http://127.0.0.1:{free_port()}/healthz",
+                    "--metrics-port",
+                    str(self.port),
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+            )
         self.log = log
         wait("the operator to serve", lambda: "serving" in log.read_text() and self._answers(), 120)
 
@@ -207,25 +211,35 @@ class Snapshot:
 
 
 def measured(before: Snapshot, after: Snapshot) -> dict[str, Any]:
-    reconcile = delta(histogram(after.operator, "dtjob_operator_reconcile_duration_seconds"),
-                      histogram(before.operator, "dtjob_operator_reconcile_duration_seconds"))  # fmt: skip
-    api = delta(histogram(after.apiserver, "apiserver_request_duration_seconds", LONG_RUNNING),
-                histogram(before.apiserver, "apiserver_request_duration_seconds", LONG_RUNNING))  # fmt: skip
-    ours = delta(counter_by(after.operator, "dtjob_operator_api_requests", "verb"),
-                 counter_by(before.operator, "dtjob_operator_api_requests", "verb"))  # fmt: skip
-    theirs = delta(counter_by(after.apiserver, "apiserver_request_total", "verb"),
-                   counter_by(before.apiserver, "apiserver_request_total", "verb"))  # fmt: skip
+    reconcile = delta(
+        histogram(after.operator, "dtjob_operator_reconcile_duration_seconds"),
+        histogram(before.operator, "dtjob_operator_reconcile_duration_seconds"),
+    )
+    api = delta(
+        histogram(after.apiserver, "apiserver_request_duration_seconds", LONG_RUNNING),
+        histogram(before.apiserver, "apiserver_request_duration_seconds", LONG_RUNNING),
+    )
+    ours = delta(
+        counter_by(after.operator, "dtjob_operator_api_requests", "verb"),
+        counter_by(before.operator, "dtjob_operator_api_requests", "verb"),
+    )
+    theirs = delta(
+        counter_by(after.apiserver, "apiserver_request_total", "verb"),
+        counter_by(before.apiserver, "apiserver_request_total", "verb"),
+    )
     writes = {
-        kind: delta(histogram(after.operator, WRITES, only=("write", kinds)),
-                    histogram(before.operator, WRITES, only=("write", kinds)))
+        kind: delta(
+            histogram(after.operator, WRITES, only=("write", kinds)),
+            histogram(before.operator, WRITES, only=("write", kinds)),
+        )
         for kind, kinds in (("status", {"status"}), ("pod", {"create_pod", "delete_pod"}))
-    }  # fmt: skip
+    }
     return {
         "passes": reconcile.get(float("inf"), 0.0),
         "reconcile_p50_s": quantile(reconcile, 0.5),
         "reconcile_p99_s": quantile(reconcile, 0.99),
-        # From a pass handing a write over to its answer (the operator's writer, from 2026-12-04;
-        # before, the reconcile histogram held these waits): None for an operator without it.
+        # From a pass handing a write over to its answer (dtjob_operator_write_duration_seconds):
+        # None for an operator without that histogram, whose reconcile histogram holds the waits.
         "write_status_p50_s": quantile(writes["status"], 0.5),
         "write_status_p99_s": quantile(writes["status"], 0.99),
         "write_pod_p50_s": quantile(writes["pod"], 0.5),
@@ -381,9 +395,14 @@ def one_run(admin: Admin, scenario: str, size: int, repeat: int, logs: Path) -> 
         wall = time.time() - started
         after = Snapshot(admin, op)
         result.update(measured(before, after))
-        result.update(scenario=scenario, size=size, repeat=repeat, wall_s=round(wall, 1),
-                      load=[round(x, 1) for x in os.getloadavg()],
-                      at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"))  # fmt: skip
+        result.update(
+            scenario=scenario,
+            size=size,
+            repeat=repeat,
+            wall_s=round(wall, 1),
+            load=[round(x, 1) for x in os.getloadavg()],
+            at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        )
         return result
     finally:
         kubectl("delete", "dtj", "--all", "-n", namespace, "--wait=true", "--timeout=600s", timeout=700)
@@ -393,9 +412,18 @@ def one_run(admin: Admin, scenario: str, size: int, repeat: int, logs: Path) -> 
 
 # --- report ----------------------------------------------------------------------------------------
 def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    keys = ("created_s", "restart_s", "reconcile_p50_s", "reconcile_p99_s", "write_status_p99_s",
-            "write_pod_p99_s", "apiserver_p99_s", "operator_peak_rss_mb", "operator_cpu_s",
-            "passes")  # fmt: skip
+    keys = (
+        "created_s",
+        "restart_s",
+        "reconcile_p50_s",
+        "reconcile_p99_s",
+        "write_status_p99_s",
+        "write_pod_p99_s",
+        "apiserver_p99_s",
+        "operator_peak_rss_mb",
+        "operator_cpu_s",
+        "passes",
+    )
     rows = []
     for scenario, size in sorted(
         {(r["scenario"], r["size"]) for r in runs}, key=lambda k: (k[0] != "workers", k[1])
@@ -413,9 +441,21 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = ("scenario", "size", "n", "created s", "restart s", "rec p50 ms", "rec p99 ms",
-            "write p99 ms status / pods", "api p99 ms", "RSS MB", "CPU s", "passes",
-            "operator requests by verb")  # fmt: skip
+    head = (
+        "scenario",
+        "size",
+        "n",
+        "created s",
+        "restart s",
+        "rec p50 ms",
+        "rec p99 ms",
+        "write p99 ms status / pods",
+        "api p99 ms",
+        "RSS MB",
+        "CPU s",
+        "passes",
+        "operator requests by verb",
+    )
     lines = [" | ".join(head), " | ".join("---" for _ in head)]
 
     def ms(v: float | None) -> str:
@@ -424,11 +464,20 @@ def table(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         verbs = ", ".join(f"{k} {v}" for k, v in r["operator_requests"].items())
         cells = (
-            r["scenario"], r["size"], r["repeats"], r["created_s"], r["restart_s"],
-            ms(r["reconcile_p50_s"]), ms(r["reconcile_p99_s"]),
-            f"{ms(r.get('write_status_p99_s'))} / {ms(r.get('write_pod_p99_s'))}", ms(r["apiserver_p99_s"]),
-            r["operator_peak_rss_mb"], r["operator_cpu_s"], int(r["passes"] or 0), verbs,
-        )  # fmt: skip
+            r["scenario"],
+            r["size"],
+            r["repeats"],
+            r["created_s"],
+            r["restart_s"],
+            ms(r["reconcile_p50_s"]),
+            ms(r["reconcile_p99_s"]),
+            f"{ms(r.get('write_status_p99_s'))} / {ms(r.get('write_pod_p99_s'))}",
+            ms(r["apiserver_p99_s"]),
+            r["operator_peak_rss_mb"],
+            r["operator_cpu_s"],
+            int(r["passes"] or 0),
+            verbs,
+        )
         lines.append(" | ".join(str(x) for x in cells))
     return "\n".join(lines)
 
@@ -458,8 +507,11 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         top.set_ylabel("seconds (median)")
         top.set_title(label)
         top.legend(fontsize=8)
-        for key, name in (("reconcile_p50_s", "reconcile p50"), ("reconcile_p99_s", "reconcile p99"),
-                          ("apiserver_p99_s", "API server p99")):  # fmt: skip
+        for key, name in (
+            ("reconcile_p50_s", "reconcile p50"),
+            ("reconcile_p99_s", "reconcile p99"),
+            ("apiserver_p99_s", "API server p99"),
+        ):
             bottom.plot(sizes, [(r[key] or 0) * 1000 for r in group], marker="o", label=name)
         bottom.set_xscale("log", base=2)
         bottom.set_xticks(sizes, [str(s) for s in sizes])

@@ -61,8 +61,11 @@ def _worker(rank: int, args: Any, out: str) -> None:
 
     plan = {"*.up": "colwise", "*.down": "rowwise"}
     mesh = init_device_mesh("cpu", (2,))
-    torch_plan: dict[str, ParallelStyle] = {f"{i}.{name}": style for i in range(args.depth) for name, style in
-                  (("up", ColwiseParallel()), ("down", RowwiseParallel()))}  # fmt: skip
+    torch_plan: dict[str, ParallelStyle] = {
+        f"{i}.{name}": style
+        for i in range(args.depth)
+        for name, style in (("up", ColwiseParallel()), ("down", RowwiseParallel()))
+    }
     models: dict[str, nn.Module] = {
         "dtjob": tensor_parallel(build(args.width, args.depth), plan),
         "dtjob-native": tensor_parallel(build(args.width, args.depth), plan, collective="native"),

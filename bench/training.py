@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -40,6 +39,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from dtjob.devcluster.host import free_port
 from dtjob.trainer.models import GPT, GPTConfig
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -55,9 +55,14 @@ def _model(name: str = "gpt") -> nn.Module:
 
         transformers.logging.set_verbosity_error()
         config = transformers.GPT2Config(
-            vocab_size=MODEL["vocab"], n_positions=MODEL["seq_len"], n_embd=MODEL["width"],
-            n_layer=MODEL["depth"], n_head=MODEL["heads"], bos_token_id=0, eos_token_id=0,
-        )  # fmt: skip
+            vocab_size=MODEL["vocab"],
+            n_positions=MODEL["seq_len"],
+            n_embd=MODEL["width"],
+            n_layer=MODEL["depth"],
+            n_head=MODEL["heads"],
+            bos_token_id=0,
+            eos_token_id=0,
+        )
         return transformers.GPT2LMHeadModel(config)
     return GPT(GPTConfig(**MODEL))
 
@@ -260,16 +265,10 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run_world(world: int, args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        mp.start_processes(_worker, args=(world, _free_port(), args, out), nprocs=world, start_method="spawn")
+        mp.start_processes(_worker, args=(world, free_port(), args, out), nprocs=world, start_method="spawn")
         result: dict[str, Any] = json.loads(Path(out).read_text())
         return result
 

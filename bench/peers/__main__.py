@@ -34,13 +34,14 @@ from bench.peers.operators import (
     HostOperator,
     TrainingOperator,
     build_training_operator,
-    free_port,
     install_dtjob_crd,
     install_training_operator,
     training_operator_version,
     webhook_says,
 )
 from bench.peers.scenarios import SCENARIOS, TOTAL_STEPS, run_repeat
+
+from dtjob.devcluster.host import free_port
 
 DEFAULT_PARTS = Path(os.environ.get("DTJOB_BENCH_PEERS_PARTS", "/var/tmp/dtjob-bench-peers/parts"))
 NAMESPACES = {"dtjob": "bench-dtjob", "pytorchjob": "bench-pytorchjob"}
@@ -55,11 +56,18 @@ def _devcluster(*args: str) -> None:
 def _invalid_pytorchjob(namespace: str) -> dict[str, Any]:
     """A PyTorchJob upstream's webhook refuses (its container is not named "pytorch")."""
     return {
-        "apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob",
+        "apiVersion": "kubeflow.org/v1",
+        "kind": "PyTorchJob",
         "metadata": {"name": "webhook-probe", "namespace": namespace},
-        "spec": {"pytorchReplicaSpecs": {"Worker": {"replicas": 1, "template": {"spec": {
-            "containers": [{"name": "trainer", "image": "x"}]}}}}},
-    }  # fmt: skip
+        "spec": {
+            "pytorchReplicaSpecs": {
+                "Worker": {
+                    "replicas": 1,
+                    "template": {"spec": {"containers": [{"name": "trainer", "image": "x"}]}},
+                }
+            }
+        },
+    }
 
 
 def _versions() -> dict[str, str]:
@@ -108,16 +116,24 @@ def run(args: argparse.Namespace) -> None:
         "pytorchjob": peer,
     }
     part: dict[str, Any] = {
-        "run_id": run_id, "started": datetime.datetime.now().isoformat(timespec="seconds"),
-        "cpus": os.cpu_count(), "load_start": machine_load(), "versions": _versions(),
-        "scenarios": list(scenarios), "total_steps": TOTAL_STEPS, "operators": {}, "repeats": [],
-    }  # fmt: skip
+        "run_id": run_id,
+        "started": datetime.datetime.now().isoformat(timespec="seconds"),
+        "cpus": os.cpu_count(),
+        "load_start": machine_load(),
+        "versions": _versions(),
+        "scenarios": list(scenarios),
+        "total_steps": TOTAL_STEPS,
+        "operators": {},
+        "repeats": [],
+    }
     try:
         for kind, op in ops.items():
             op.start()
             assert op.usage is not None
-            part["operators"][kind] = {"ready_s": round(op.ready_seconds, 2),
-                                       "idle_rss_mib": round(op.usage.rss_bytes() / 2**20, 1)}  # fmt: skip
+            part["operators"][kind] = {
+                "ready_s": round(op.ready_seconds, 2),
+                "idle_rss_mib": round(op.usage.rss_bytes() / 2**20, 1),
+            }
         part["webhook_refuses_invalid_job"] = webhook_says(_invalid_pytorchjob(NAMESPACES["pytorchjob"]))
         print(f"webhook: {part['webhook_refuses_invalid_job']}", flush=True)
         for r in range(args.repeats):

@@ -32,11 +32,22 @@ BENCH_LABEL = "bench.dtjob.io/job"
 def trainer_args(steps: int) -> list[str]:
     """The tiny GPT of the e2e tests (1 block, width 32), 12 samples a step, a checkpoint every 5."""
     return [
-        "--model=gpt", "--layers=1", "--dim=32", "--heads=2", "--seq-len=32",
-        f"--steps={steps}", "--global-batch-size=12", "--lr=3e-3", "--warmup-steps=2",
-        "--checkpoint-every=5", "--keep-checkpoints=3", "--checkpoint-dir=/ckpt",
-        "--log-file=/steplog/steps.jsonl", "--step-gate=/gate/step", "--rendezvous-timeout=300",
-    ]  # fmt: skip
+        "--model=gpt",
+        "--layers=1",
+        "--dim=32",
+        "--heads=2",
+        "--seq-len=32",
+        f"--steps={steps}",
+        "--global-batch-size=12",
+        "--lr=3e-3",
+        "--warmup-steps=2",
+        "--checkpoint-every=5",
+        "--keep-checkpoints=3",
+        "--checkpoint-dir=/ckpt",
+        "--log-file=/steplog/steps.jsonl",
+        "--step-gate=/gate/step",
+        "--rendezvous-timeout=300",
+    ]
 
 
 def _bench_env() -> list[dict[str, Any]]:
@@ -136,8 +147,10 @@ class BenchJob:
         return f"{self.name}-worker-{index}"  # both operators name worker pods so
 
     def _volumes(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-        volumes = [{"name": n, "hostPath": {"path": str(self.host / d)}}
-                   for n, d in (("steplog", "logs"), ("gate", "gate"))]  # fmt: skip
+        volumes = [
+            {"name": n, "hostPath": {"path": str(self.host / d)}}
+            for n, d in (("steplog", "logs"), ("gate", "gate"))
+        ]
         mounts = [{"name": "steplog", "mountPath": "/steplog"}, {"name": "gate", "mountPath": "/gate"}]
         return volumes, mounts
 
@@ -146,12 +159,19 @@ class BenchJob:
             # root on the devcluster: the hostPath directories belong to root
             "securityContext": {"runAsUser": 0, "runAsNonRoot": False},
             "terminationGracePeriodSeconds": 30,
-            "affinity": {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
-                {"labelSelector": {"matchLabels": {BENCH_LABEL: self.name}},
-                 "topologyKey": "kubernetes.io/hostname"}]}},
+            "affinity": {
+                "podAntiAffinity": {
+                    "requiredDuringSchedulingIgnoredDuringExecution": [
+                        {
+                            "labelSelector": {"matchLabels": {BENCH_LABEL: self.name}},
+                            "topologyKey": "kubernetes.io/hostname",
+                        }
+                    ]
+                }
+            },
             "containers": [container],
             "volumes": volumes,
-        }  # fmt: skip
+        }
 
     def manifest(self) -> dict[str, Any]:
         volumes, mounts = self._volumes()
@@ -159,48 +179,72 @@ class BenchJob:
         labels = {BENCH_LABEL: self.name}
         if self.kind == "dtjob":
             container = {
-                "name": "trainer", "image": "dtjob/trainer:0.1.0",
+                "name": "trainer",
+                "image": "dtjob/trainer:0.1.0",
                 "command": [sys.executable, "-m", "dtjob.trainer", *trainer_args(self.steps)],
-                "env": _bench_env(), "resources": resources, "volumeMounts": mounts,
-            }  # fmt: skip
+                "env": _bench_env(),
+                "resources": resources,
+                "volumeMounts": mounts,
+            }
             return {
-                "apiVersion": "training.dtjob.io/v1alpha1", "kind": "DistributedTrainingJob",
+                "apiVersion": "training.dtjob.io/v1alpha1",
+                "kind": "DistributedTrainingJob",
                 "metadata": {"name": self.name, "namespace": self.namespace},
                 "spec": {
                     "replicas": REPLICAS,
-                    "elastic": {"minReplicas": MIN_REPLICAS, "maxReplicas": MAX_REPLICAS,
-                                "maxRestarts": MAX_RESTARTS, "heartbeatTimeoutSeconds": HEARTBEAT_TIMEOUT_S},
-                    "checkpoint": {"volume": {"hostPath": {"path": str(self.host / "checkpoints")}},
-                                   "mountPath": "/ckpt"},
+                    "elastic": {
+                        "minReplicas": MIN_REPLICAS,
+                        "maxReplicas": MAX_REPLICAS,
+                        "maxRestarts": MAX_RESTARTS,
+                        "heartbeatTimeoutSeconds": HEARTBEAT_TIMEOUT_S,
+                    },
+                    "checkpoint": {
+                        "volume": {"hostPath": {"path": str(self.host / "checkpoints")}},
+                        "mountPath": "/ckpt",
+                    },
                     "template": {"metadata": {"labels": labels}, "spec": self._pod_spec(container, volumes)},
                 },
-            }  # fmt: skip
+            }
         torchrun = str(Path(sys.executable).parent / "torchrun")
         volumes.append({"name": "ckpt", "hostPath": {"path": str(self.host / "checkpoints")}})
         mounts.append({"name": "ckpt", "mountPath": "/ckpt"})
         container = {
             # "pytorch" is the container the training-operator gives its PET_* variables and port to.
-            "name": "pytorch", "image": "dtjob/trainer:0.1.0",
+            "name": "pytorch",
+            "image": "dtjob/trainer:0.1.0",
             # --nnodes, --rdzv-backend, --rdzv-endpoint, --rdzv-id and --max-restarts come from the
             # operator's PET_NNODES=1:2, PET_RDZV_BACKEND=c10d, PET_RDZV_ENDPOINT=<job>-worker-0:29400, ...
             "command": [torchrun, "--nproc-per-node=1", "-m", "dtjob.trainer", *trainer_args(self.steps)],
             "env": [*_bench_env(), {"name": "DTJOB_HEARTBEAT_TIMEOUT", "value": str(HEARTBEAT_TIMEOUT_S)}],
             "ports": [{"name": "pytorchjob-port", "containerPort": RDZV_PORT}],
-            "resources": resources, "volumeMounts": mounts,
-        }  # fmt: skip
+            "resources": resources,
+            "volumeMounts": mounts,
+        }
         return {
-            "apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob",
+            "apiVersion": "kubeflow.org/v1",
+            "kind": "PyTorchJob",
             "metadata": {"name": self.name, "namespace": self.namespace},
             "spec": {
-                "elasticPolicy": {"rdzvBackend": "c10d", "rdzvId": self.name, "minReplicas": MIN_REPLICAS,
-                                  "maxReplicas": MAX_REPLICAS, "maxRestarts": MAX_RESTARTS},
+                "elasticPolicy": {
+                    "rdzvBackend": "c10d",
+                    "rdzvId": self.name,
+                    "minReplicas": MIN_REPLICAS,
+                    "maxReplicas": MAX_REPLICAS,
+                    "maxRestarts": MAX_RESTARTS,
+                },
                 "runPolicy": {"backoffLimit": MAX_RESTARTS, "cleanPodPolicy": "None"},
-                "pytorchReplicaSpecs": {"Worker": {
-                    "replicas": REPLICAS, "restartPolicy": "OnFailure",
-                    "template": {"metadata": {"labels": labels}, "spec": self._pod_spec(container, volumes)},
-                }},
+                "pytorchReplicaSpecs": {
+                    "Worker": {
+                        "replicas": REPLICAS,
+                        "restartPolicy": "OnFailure",
+                        "template": {
+                            "metadata": {"labels": labels},
+                            "spec": self._pod_spec(container, volumes),
+                        },
+                    }
+                },
             },
-        }  # fmt: skip
+        }
 
     def submit(self) -> None:
         kubectl("create", "-f", "-", input=json.dumps(self.manifest()))

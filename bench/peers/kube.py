@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from dtjob.devcluster.binaries import Binaries
+from dtjob.devcluster.host import admin_env
+from dtjob.devcluster.host import kubectl as admin_kubectl
 from dtjob.devcluster.layout import Layout
 
 KUBECTL_TIMEOUT = 120.0
@@ -34,17 +36,11 @@ def kubectl_path() -> str:
     return str(Binaries.pinned().path("kubectl"))
 
 
-def kube_env() -> dict[str, str]:
-    return {**os.environ, "KUBECONFIG": str(layout().admin_kubeconfig)}
-
-
 def kubectl(
     *args: str, input: str | None = None, check: bool = True, timeout: float = KUBECTL_TIMEOUT
 ) -> subprocess.CompletedProcess[str]:
-    result = subprocess.run(
-        [kubectl_path(), *args], input=input, capture_output=True, text=True, timeout=timeout,
-        env=kube_env(), check=False,
-    )  # fmt: skip
+    """The admin kubectl; with `check`, a non-zero exit raises BenchError with kubectl's stderr."""
+    result = admin_kubectl(*args, input=input, timeout=timeout)
     if check and result.returncode != 0:
         raise BenchError(f"kubectl {' '.join(args)}: exit {result.returncode}: {result.stderr.strip()}")
     return result
@@ -83,8 +79,11 @@ def devcluster(*args: str, timeout: float = 600.0) -> None:
 
     result = subprocess.run(
         [sys.executable, "-m", "dtjob.cli", "devcluster", *args],
-        capture_output=True, text=True, timeout=timeout, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
     if result.returncode != 0:
         raise BenchError(
             f"dtjob devcluster {' '.join(args)}: {result.stderr.strip() or result.stdout.strip()}"
@@ -104,10 +103,22 @@ class Created:
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
-            [kubectl_path(), "get", self.resource, "-n", self.namespace, "--watch", "--output-watch-events",
-             "-o", "jsonpath={.object.metadata.uid} {.object.metadata.name}{\"\\n\"}"],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=kube_env(),
-        )  # fmt: skip
+            [
+                kubectl_path(),
+                "get",
+                self.resource,
+                "-n",
+                self.namespace,
+                "--watch",
+                "--output-watch-events",
+                "-o",
+                'jsonpath={.object.metadata.uid} {.object.metadata.name}{"\\n"}',
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env=admin_env(),
+        )
         self._thread = threading.Thread(target=self._read, daemon=True)
         self._thread.start()
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -37,6 +36,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from dtjob.devcluster.host import admin_env, free_port
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 DTJOB_CRD = REPO / "crds" / "training.dtjob.io_distributedtrainingjobs.yaml"
@@ -47,12 +48,6 @@ WEBHOOK_DNS = f"training-operator.{KUBEFLOW_NS}.svc"
 CA_NAME = "training-operator-ca"  # the rotator checks the CA certificate against this name
 # Where v1.8.1's webhook server reads its certificate (fixed in its pkg/cert, not a flag).
 WEBHOOK_CERT_DIR = Path("/tmp/k8s-webhook-server/serving-certs")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def training_operator_version() -> str:
@@ -136,10 +131,20 @@ class DtjobOperator(HostOperator):
     metrics_port: int = field(default_factory=free_port)
 
     def command(self) -> tuple[list[str], dict[str, str]]:
-        argv = [sys.executable, "-m", "dtjob.cli", "operator", "--namespace", self.namespace, "--standalone",
-                "--liveness", f"http://127.0.0.1:{self.liveness_port}/healthz",
-                "--metrics-port", str(self.metrics_port)]  # fmt: skip
-        return argv, {**os.environ, "KUBECONFIG": str(layout().admin_kubeconfig)}
+        argv = [
+            sys.executable,
+            "-m",
+            "dtjob.cli",
+            "operator",
+            "--namespace",
+            self.namespace,
+            "--standalone",
+            "--liveness",
+            f"http://127.0.0.1:{self.liveness_port}/healthz",
+            "--metrics-port",
+            str(self.metrics_port),
+        ]
+        return argv, admin_env()
 
     def ready(self) -> bool:
         return _http_ok(f"http://127.0.0.1:{self.liveness_port}/healthz")
@@ -180,34 +185,64 @@ def webhook_certificates() -> dict[str, bytes]:
     now = datetime.datetime.now(datetime.UTC)
     begin, end = now - datetime.timedelta(hours=1), now + datetime.timedelta(days=3650)
     ca_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, CA_NAME),
-                         x509.NameAttribute(NameOID.ORGANIZATION_NAME, "training-operator")])  # fmt: skip
+    ca_name = x509.Name(
+        [
+            x509.NameAttribute(NameOID.COMMON_NAME, CA_NAME),
+            x509.NameAttribute(NameOID.ORGANIZATION_NAME, "training-operator"),
+        ]
+    )
     ca = (
         x509.CertificateBuilder()
-        .subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
-        .serial_number(x509.random_serial_number()).not_valid_before(begin).not_valid_after(end)
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(begin)
+        .not_valid_after(end)
         .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .add_extension(x509.KeyUsage(digital_signature=True, key_encipherment=True, key_cert_sign=True,
-                                     content_commitment=False, data_encipherment=False, key_agreement=False,
-                                     crl_sign=False, encipher_only=False, decipher_only=False), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                key_encipherment=True,
+                key_cert_sign=True,
+                content_commitment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                crl_sign=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
         .add_extension(x509.SubjectAlternativeName([x509.DNSName(CA_NAME)]), critical=False)
         .sign(ca_key, hashes.SHA256())
-    )  # fmt: skip
+    )
     key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
     cert = (
         x509.CertificateBuilder()
         .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, WEBHOOK_DNS)]))
-        .issuer_name(ca_name).public_key(key.public_key())
-        .serial_number(x509.random_serial_number()).not_valid_before(begin).not_valid_after(end)
+        .issuer_name(ca_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(begin)
+        .not_valid_after(end)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-        .add_extension(x509.SubjectAlternativeName(
-            [x509.DNSName(WEBHOOK_DNS), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        .add_extension(
+            x509.SubjectAlternativeName(
+                [x509.DNSName(WEBHOOK_DNS), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+            ),
+            critical=False,
+        )
         .sign(ca_key, hashes.SHA256())
-    )  # fmt: skip
+    )
     pem = serialization.Encoding.PEM
-    return {"ca.crt": ca.public_bytes(pem), "ca.key": _pem_key(ca_key),
-            "tls.crt": cert.public_bytes(pem), "tls.key": _pem_key(key)}  # fmt: skip
+    return {
+        "ca.crt": ca.public_bytes(pem),
+        "ca.key": _pem_key(ca_key),
+        "tls.crt": cert.public_bytes(pem),
+        "tls.key": _pem_key(key),
+    }
 
 
 def _yaml_docs(path: Path) -> list[dict[str, Any]]:
@@ -241,9 +276,13 @@ def install_training_operator(bin_dir: Path, webhook_port: int, scratch: Path) -
                 s["namespace"] = KUBEFLOW_NS
     apply_docs(rbac)
     certs = webhook_certificates()
-    secret = {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
-              "metadata": {"name": WEBHOOK_SECRET, "namespace": KUBEFLOW_NS},
-              "data": {k: base64.b64encode(v).decode() for k, v in certs.items()}}  # fmt: skip
+    secret = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "metadata": {"name": WEBHOOK_SECRET, "namespace": KUBEFLOW_NS},
+        "data": {k: base64.b64encode(v).decode() for k, v in certs.items()},
+    }
     kubectl("delete", "secret", WEBHOOK_SECRET, "-n", KUBEFLOW_NS, "--ignore-not-found")
     apply_docs([secret])
     # In a cluster the kubelet mounts the Secret at the webhook server's cert dir; the rotator only
@@ -256,8 +295,12 @@ def install_training_operator(bin_dir: Path, webhook_port: int, scratch: Path) -
     for h in hooks:
         path = h["clientConfig"]["service"]["path"]
         h["clientConfig"] = {"url": f"https://127.0.0.1:{webhook_port}{path}"}
-    config = {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingWebhookConfiguration",
-              "metadata": {"name": WEBHOOK_CONFIG}, "webhooks": hooks}  # fmt: skip
+    config = {
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "ValidatingWebhookConfiguration",
+        "metadata": {"name": WEBHOOK_CONFIG},
+        "webhooks": hooks,
+    }
     kubectl("delete", "validatingwebhookconfiguration", WEBHOOK_CONFIG, "--ignore-not-found")
     apply_docs([config])
     token = kubectl(
@@ -265,14 +308,31 @@ def install_training_operator(bin_dir: Path, webhook_port: int, scratch: Path) -
     ).stdout.strip()
     kubeconfig = scratch / "training-operator.kubeconfig"
     kubeconfig.parent.mkdir(parents=True, exist_ok=True)
-    kubeconfig.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "training-operator",
-        "clusters": [{"name": "devcluster", "cluster": {"server": "https://127.0.0.1:6443",
-                                                        "certificate-authority": str(layout().ca_cert)}}],
-        "users": [{"name": "training-operator", "user": {"token": token}}],
-        "contexts": [{"name": "training-operator",
-                      "context": {"cluster": "devcluster", "user": "training-operator"}}],
-    }))  # fmt: skip
+    kubeconfig.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": "training-operator",
+                "clusters": [
+                    {
+                        "name": "devcluster",
+                        "cluster": {
+                            "server": "https://127.0.0.1:6443",
+                            "certificate-authority": str(layout().ca_cert),
+                        },
+                    }
+                ],
+                "users": [{"name": "training-operator", "user": {"token": token}}],
+                "contexts": [
+                    {
+                        "name": "training-operator",
+                        "context": {"cluster": "devcluster", "user": "training-operator"},
+                    }
+                ],
+            }
+        )
+    )
     kubeconfig.chmod(0o600)
     return kubeconfig
 
@@ -289,11 +349,16 @@ class TrainingOperator(HostOperator):
     probe_port: int = field(default_factory=free_port)
 
     def command(self) -> tuple[list[str], dict[str, str]]:
-        argv = [str(self.binary), f"--kubeconfig={self.kubeconfig}", "--enable-scheme=pytorchjob",
-                "--leader-elect=false", f"--namespace={self.namespace}",
-                f"--metrics-bind-address=127.0.0.1:{self.metrics_port}",
-                f"--health-probe-bind-address=127.0.0.1:{self.probe_port}",
-                f"--webhook-server-port={self.webhook_port}"]  # fmt: skip
+        argv = [
+            str(self.binary),
+            f"--kubeconfig={self.kubeconfig}",
+            "--enable-scheme=pytorchjob",
+            "--leader-elect=false",
+            f"--namespace={self.namespace}",
+            f"--metrics-bind-address=127.0.0.1:{self.metrics_port}",
+            f"--health-probe-bind-address=127.0.0.1:{self.probe_port}",
+            f"--webhook-server-port={self.webhook_port}",
+        ]
         # MY_POD_NAMESPACE: where the rotator looks for its Secret (its default, kubeflow).
         return argv, {"PATH": os.environ.get("PATH", ""), "MY_POD_NAMESPACE": KUBEFLOW_NS}
 

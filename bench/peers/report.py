@@ -60,8 +60,12 @@ def merge(parts: list[dict[str, Any]]) -> dict[str, Any]:
         row: dict[str, Any] = {"row": label, "unit": unit, "key": ".".join(path)}
         for kind in KINDS:
             # a repeat whose figure for this fault was found wrong (excluded_faults says why)
-            mine = [r for r in repeats if r["operator"] == kind
-                    and not (path[0] == "faults" and path[1] in r.get("excluded_faults", {}))]  # fmt: skip
+            mine = [
+                r
+                for r in repeats
+                if r["operator"] == kind
+                and not (path[0] == "faults" and path[1] in r.get("excluded_faults", {}))
+            ]
             values = [float(v) for r in mine if (v := _get(r, path)) is not None]
             row[kind] = summarize(values)
             lost = _lost_path(path)
@@ -168,8 +172,10 @@ def main(parts_dir: Path, out: Path) -> None:
     load = merged["load_average_1m"]
     print(table(merged))
     if load.get("n"):
-        print(f"\nload average (1 min) at the repeats' starts and ends: median {load['median']:.1f}, "
-              f"{load['min']:.1f}-{load['max']:.1f}")  # fmt: skip
+        print(
+            f"\nload average (1 min) at the repeats' starts and ends: median {load['median']:.1f}, "
+            f"{load['min']:.1f}-{load['max']:.1f}"
+        )
     for e in merged["errors"]:
         print(f"error: {e['operator']} {e['job']}: {e['error']}")
     print(f"wrote {out} and {out.with_suffix('.png')}")

@@ -49,8 +49,8 @@ FULL_WORLD_TIMEOUT_S = 150.0  # past it "back at 2 workers" counts as never (the
 FAULTED_POD = 1  # worker-1: not the pod whose Service is torchrun's rendezvous endpoint
 # How long the gang holds at its gate before each fault, on both sides: a fault meets a job in its
 # steady state, not one that started seconds ago. dtjob's standbys are ready about 10 s after their
-# trainers start (5 s delay, 4 s of imports); with a 1 s hold the first SIGKILL, 8 s after the pods
-# started, met none and took the cold path (bench/README.md).
+# trainers start (5 s delay, 4 s of imports): 15 s puts the first fault after them (with a 1 s hold
+# it came 8 s after the pods started and took the cold path; bench/README.md).
 HOLD_BEFORE_FAULT_S = 15.0
 
 

@@ -471,31 +471,45 @@ JOB_METRICS = (
     MetricDoc("dtjob_job_step", "gauge", JOB_LABELS, "rank 0's latest step (status.step)"),
     MetricDoc("dtjob_job_total_steps", "gauge", JOB_LABELS, "the run's steps (status.progress.totalSteps)"),
     MetricDoc(
-        "dtjob_job_eta_seconds", "gauge", JOB_LABELS,
+        "dtjob_job_eta_seconds",
+        "gauge",
+        JOB_LABELS,
         "seconds from the last sample of the step to status.eta (absent: not known)",
     ),
     MetricDoc(
-        "dtjob_job_goodput_ratio", "gauge", JOB_LABELS,
+        "dtjob_job_goodput_ratio",
+        "gauge",
+        JOB_LABELS,
         "kept-step time over wall time since the job started (status.goodput.ratio)",
     ),
     MetricDoc(
-        "dtjob_job_tokens_per_second", "gauge", JOB_LABELS,
+        "dtjob_job_tokens_per_second",
+        "gauge",
+        JOB_LABELS,
         f"rank 0's {METRIC_TOKENS_PER_SECOND} (status.progress.tokensPerSecond)",
     ),
     MetricDoc(
-        "dtjob_job_model_flops_utilization", "gauge", JOB_LABELS,
+        "dtjob_job_model_flops_utilization",
+        "gauge",
+        JOB_LABELS,
         f"rank 0's {METRIC_MFU}, 0..1 (absent: unknown)",
     ),
     MetricDoc(
-        "dtjob_job_restarts_total", "counter", (*JOB_LABELS, "cause"),
+        "dtjob_job_restarts_total",
+        "counter",
+        (*JOB_LABELS, "cause"),
         "gang stops and restarts (in new pods or in place, planned or not) by cause",
     ),
     MetricDoc(
-        "dtjob_job_recovery_seconds", "histogram", (*JOB_LABELS, "cause"),
+        "dtjob_job_recovery_seconds",
+        "histogram",
+        (*JOB_LABELS, "cause"),
         "downtime of each recovery: from the failure to the next gang's step moving",
     ),
     MetricDoc(
-        "dtjob_job_steps_redone_total", "counter", JOB_LABELS,
+        "dtjob_job_steps_redone_total",
+        "counter",
+        JOB_LABELS,
         "steps past the newest checkpoint lost at a restart (status.recoveries[].stepsRedone)",
     ),
-)  # fmt: skip
+)

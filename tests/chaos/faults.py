@@ -89,10 +89,22 @@ def sigstop_worker(op: Operator, job: str, rank: int) -> list[int]:
 def pod_network(op: Operator, pod: str, up: bool) -> None:
     """`dtjob devcluster net down|up POD`: one pod's veth down (cut off) or up again."""
     done = subprocess.run(
-        [sys.executable, "-m", "dtjob.cli", "devcluster", "net", "up" if up else "down", pod,
-         "-n", op.namespace],
-        capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "dtjob.cli",
+            "devcluster",
+            "net",
+            "up" if up else "down",
+            pod,
+            "-n",
+            op.namespace,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
 
 
@@ -115,8 +127,11 @@ def restart_component(component: str, down_seconds: float) -> None:
     """`dtjob devcluster restart COMPONENT --down S`: SIGKILLed, down S seconds, started again."""
     done = subprocess.run(
         [sys.executable, "-m", "dtjob.cli", "devcluster", "restart", component, f"--down={down_seconds}"],
-        capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
 
 
@@ -126,8 +141,11 @@ def mount_volume(root: Path) -> None:
     it (each pod's private mount namespace copies the host's mounts)."""
     done = subprocess.run(
         ["mount", "-t", "tmpfs", "-o", f"size={VOLUME_BYTES},mode=0755", "dtjob-chaos", str(root)],
-        capture_output=True, text=True, timeout=30, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
     assert done.returncode == 0, f"mount a tmpfs at {root} (needs root): {done.stderr.strip()}"
 
 

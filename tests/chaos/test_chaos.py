@@ -114,10 +114,20 @@ class ExitWatch:
         kubectl_path = str(Binaries.pinned().path("kubectl"))
         while not self._stopped.is_set():  # a watch the API server ends is started again
             self._proc = subprocess.Popen(
-                [kubectl_path, "get", "pods", "-n", self.namespace, "--watch",
-                 "-o", f"jsonpath={self.TEMPLATE}"],
-                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-            )  # fmt: skip
+                [
+                    kubectl_path,
+                    "get",
+                    "pods",
+                    "-n",
+                    self.namespace,
+                    "--watch",
+                    "-o",
+                    f"jsonpath={self.TEMPLATE}",
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+            )
             assert self._proc.stdout is not None
             for line in self._proc.stdout:
                 name, _, code = line.strip().partition(" ")
@@ -149,8 +159,17 @@ def next_gate(rng: random.Random, after: int) -> int:
 
 def manifest(op: Operator, job: Job, steps: int, gate: int | None) -> dict[str, Any]:
     size = {"min_replicas": 1, "max_replicas": job.replicas} if job.scaled else {}
-    m = job_manifest(op, job.name, replicas=job.replicas, steps=steps, checkpoint_every=CHECKPOINT_EVERY,
-                     gate=gate, trainer_args=MODEL + job.args, max_restarts=50, **size)  # fmt: skip
+    m = job_manifest(
+        op,
+        job.name,
+        replicas=job.replicas,
+        steps=steps,
+        checkpoint_every=CHECKPOINT_EVERY,
+        gate=gate,
+        trainer_args=MODEL + job.args,
+        max_restarts=50,
+        **size,
+    )
     m["spec"]["elastic"]["heartbeatTimeoutSeconds"] = HEARTBEAT_TIMEOUT
     # One job restarts in place (the default of dtjob's trainer): its crashes, hangs and damaged
     # checkpoints are survived in its pods; the others take the path of a lost pod or node, new pods.
@@ -208,10 +227,13 @@ def where_is(op: Operator, job: Job) -> str:
     ]
     for p in pods(op, job.name):
         name, node = p["metadata"]["name"], p["spec"].get("nodeName")
-        conditions = [f"{c['type']}={c['status']} {c.get('reason', '')}"
-                      for c in p["status"].get("conditions") or []]  # fmt: skip
-        lines.append(f"pod {name} gen {p['metadata']['labels'].get(LABEL_GENERATION)} on {node}: "
-                     f"{p['status'].get('phase')} {conditions}")  # fmt: skip
+        conditions = [
+            f"{c['type']}={c['status']} {c.get('reason', '')}" for c in p["status"].get("conditions") or []
+        ]
+        lines.append(
+            f"pod {name} gen {p['metadata']['labels'].get(LABEL_GENERATION)} on {node}: "
+            f"{p['status'].get('phase')} {conditions}"
+        )
         logs = kubectl("logs", "-n", op.namespace, name, "--tail=5", check=False)
         lines.extend(f"    {line}" for line in (logs.stdout or logs.stderr).strip().splitlines()[-5:])
     lines.append(f"last steps: {step_log(op, job.name)[-3:]}")
@@ -259,8 +281,10 @@ def inject(op: Operator, job: Job, kind: str, rng: random.Random, watch: ExitWat
     try:
         while again is None:
             if time.monotonic() > deadline:
-                pytest.fail(f"{job.name}: not training again {RECOVERY_TIMEOUT:.0f}s after {kind}\n"
-                            f"{where_is(op, job)}")  # fmt: skip
+                pytest.fail(
+                    f"{job.name}: not training again {RECOVERY_TIMEOUT:.0f}s after {kind}\n"
+                    f"{where_is(op, job)}"
+                )
             if detected is None and restarted(op, job.name, before_status):
                 detected = time.time() - t0
                 if kind == "operator":  # mid-restart: the gang is being replaced right now
@@ -277,11 +301,22 @@ def inject(op: Operator, job: Job, kind: str, rng: random.Random, watch: ExitWat
     last_before = max(r["step"] for r in log[: len(log) - len(new)])
     resumed_from = new[0]["step"] - 1
     exited = watch.first_exit(job.name, t0)
-    print(f"chaos: {kind} on {job.name} rank {rank} at gate {held_at}: first exit {exited}, "
-          f"restart seen {detected}, training again {again:.1f}s, resumed from {resumed_from} "
-          f"(damaged {damaged})")  # fmt: skip
-    return Outcome(kind, job.name, detected, again, max(0, last_before - resumed_from), resumed_from, damaged,
-                   exited=exited[0] if exited else None, exit_code=exited[1] if exited else None)  # fmt: skip
+    print(
+        f"chaos: {kind} on {job.name} rank {rank} at gate {held_at}: first exit {exited}, "
+        f"restart seen {detected}, training again {again:.1f}s, resumed from {resumed_from} "
+        f"(damaged {damaged})"
+    )
+    return Outcome(
+        kind,
+        job.name,
+        detected,
+        again,
+        max(0, last_before - resumed_from),
+        resumed_from,
+        damaged,
+        exited=exited[0] if exited else None,
+        exit_code=exited[1] if exited else None,
+    )
 
 
 def volume_full(op: Operator, job: Job, rng: random.Random) -> Outcome:
@@ -302,8 +337,9 @@ def volume_full(op: Operator, job: Job, rng: random.Random) -> Outcome:
     try:
         while detected is None or again is None:
             if time.monotonic() > deadline:
-                pytest.fail(f"{job.name}: its full volume not shown {RECOVERY_TIMEOUT:.0f}s on\n"
-                            f"{where_is(op, job)}")  # fmt: skip
+                pytest.fail(
+                    f"{job.name}: its full volume not shown {RECOVERY_TIMEOUT:.0f}s on\n{where_is(op, job)}"
+                )
             logged = max((r["step"] for r in step_log(op, job.name)), default=0)
             now = time.time()
             if t0 is None and logged >= refused:
@@ -320,8 +356,10 @@ def volume_full(op: Operator, job: Job, rng: random.Random) -> Outcome:
     new = step_log(op, job.name)[len(before_log) :]
     assert all(gang_of(r) == gang0 for r in new), f"{job.name}: a full volume restarted the gang: {new}"
     assert not restarted(op, job.name, before_status), f"{job.name}: a full volume counted a restart"
-    print(f"chaos: volume-full on {job.name}, checkpoint of step {refused} refused: shown on the job "
-          f"{detected:.1f}s, next step {again:.1f}s")  # fmt: skip
+    print(
+        f"chaos: volume-full on {job.name}, checkpoint of step {refused} refused: shown on the job "
+        f"{detected:.1f}s, next step {again:.1f}s"
+    )
     return Outcome("volume-full", job.name, detected, again, 0, last, None)
 
 
@@ -382,8 +420,10 @@ def rescale(op: Operator, job: Job, replicas: int, rng: random.Random) -> Outcom
     nudged = time.monotonic()
     while not training():
         if time.monotonic() > deadline:
-            pytest.fail(f"{job.name}: not training at {replicas} workers after {RECOVERY_TIMEOUT:.0f}s\n"
-                        f"{where_is(op, job)}")  # fmt: skip
+            pytest.fail(
+                f"{job.name}: not training at {replicas} workers after {RECOVERY_TIMEOUT:.0f}s\n"
+                f"{where_is(op, job)}"
+            )
         if time.monotonic() - nudged > 3.0:
             # Never onto a checkpoint step: a gang held there has checkpointed it, and a gang
             # restarted then (another job's node stopped, say) resumes at the gate and logs no
@@ -399,8 +439,10 @@ def rescale(op: Operator, job: Job, replicas: int, rng: random.Random) -> Outcom
     last_before = max(r["step"] for r in log[: len(log) - len(new)])
     resumed_from = new[0]["step"] - 1
     kind = "scale-up" if growing else "scale-down"
-    print(f"chaos: {kind} of {job.name} to {replicas}, operator killed: training again {again:.1f}s, "
-          f"resumed from {resumed_from} (last step before {last_before})")  # fmt: skip
+    print(
+        f"chaos: {kind} of {job.name} to {replicas}, operator killed: training again {again:.1f}s, "
+        f"resumed from {resumed_from} (last step before {last_before})"
+    )
     assert resumed_from == last_before, f"{job.name}: a planned {kind} lost steps"
     return Outcome(kind, job.name, None, again, 0, resumed_from)
 
@@ -508,18 +550,23 @@ def test_jobs_under_chaos_succeed_with_every_step_and_their_twins_loss(
         done = wait_phase(op, j.name, "Succeeded", timeout=RECOVERY_TIMEOUT)
         log = step_log(op, j.name)
         ends[j.name] = {
-            "phase": done["phase"], "step": done["step"], "restarts": done.get("restarts", 0),
-            "generations": generation_of(log) + 1, "world_sizes": sorted({r["world_size"] for r in log}),
-            "final_loss": log[-1]["loss"], "events": sorted({e["reason"] for e in events(op, j.name)}),
-        }  # fmt: skip
+            "phase": done["phase"],
+            "step": done["step"],
+            "restarts": done.get("restarts", 0),
+            "generations": generation_of(log) + 1,
+            "world_sizes": sorted({r["world_size"] for r in log}),
+            "final_loss": log[-1]["loss"],
+            "events": sorted({e["reason"] for e in events(op, j.name)}),
+        }
         assert done["step"] == steps
         assert condition(done, "CheckpointWriteFailing").get("status") != "True", (
             f"{j.name}: its last checkpoint was refused: {done}"
         )
         unplanned = [
-            o for o in outcomes
+            o
+            for o in outcomes
             if o.job == j.name and not o.kind.startswith("scale-") and o.kind not in faults.NO_RESTART
-        ]  # fmt: skip
+        ]
         assert int(done.get("restarts") or 0) >= len(unplanned), f"{j.name}: a restart not counted: {done}"
         assert_sound(j, log, steps, [o for o in outcomes if o.job == j.name])
     for j in jobs:

@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,17 +25,12 @@ from typing import Any
 import pytest
 import yaml
 
+from dtjob.devcluster.host import free_port
 from tests.e2e.conftest import apply_crd, kubectl, kubectl_json, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 CRD = REPO / "crds" / "training.dtjob.io_distributedtrainingjobs.yaml"
 SCRATCH = Path("/tmp/dtjob-e2e-operator")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -54,11 +48,25 @@ class Operator:
         assert self.proc is None or self.proc.poll() is not None, "operator already running"
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "dtjob.cli", "operator", "--namespace", self.namespace, *self.peering,
-                 "--liveness", f"http://127.0.0.1:{free_port()}/healthz",
-                 "--metrics-port", str(self.metrics_port), "--interval", "2", *self.extra_args],
-                stdout=out, stderr=subprocess.STDOUT,
-            )  # fmt: skip
+                [
+                    sys.executable,
+                    "-m",
+                    "dtjob.cli",
+                    "operator",
+                    "--namespace",
+                    self.namespace,
+                    *self.peering,
+                    "--liveness",
+                    f"http://127.0.0.1:{free_port()}/healthz",
+                    "--metrics-port",
+                    str(self.metrics_port),
+                    "--interval",
+                    "2",
+                    *self.extra_args,
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
 
     def kill(self) -> None:
         """SIGKILL: no clean-up, no goodbye, as a crashed operator."""
@@ -132,11 +140,21 @@ def job_manifest(
     (host / "logs").mkdir(parents=True, exist_ok=True)
     os.chmod(host / "logs", 0o777)
     trainer_args = [
-        "--model=gpt", "--layers=1", "--dim=32", "--heads=2", "--seq-len=32",
-        f"--steps={steps}", "--global-batch-size=12", "--lr=3e-3", "--warmup-steps=2",
-        f"--checkpoint-every={checkpoint_every}", "--keep-checkpoints=3",
-        "--log-file=/steplog/steps.jsonl", "--rendezvous-timeout=120", *(trainer_args or []),
-    ]  # fmt: skip
+        "--model=gpt",
+        "--layers=1",
+        "--dim=32",
+        "--heads=2",
+        "--seq-len=32",
+        f"--steps={steps}",
+        "--global-batch-size=12",
+        "--lr=3e-3",
+        "--warmup-steps=2",
+        f"--checkpoint-every={checkpoint_every}",
+        "--keep-checkpoints=3",
+        "--log-file=/steplog/steps.jsonl",
+        "--rendezvous-timeout=120",
+        *(trainer_args or []),
+    ]
     container: dict[str, Any] = {
         "name": "trainer",
         "image": "dtjob/trainer:0.1.0",
@@ -243,8 +261,12 @@ def step_log(op: Operator, name: str) -> list[dict[str, Any]]:
 
 
 def wait_step(op: Operator, name: str, step: int, timeout: float = 150.0) -> None:
-    wait_for(f"{name}: rank 0 at step {step}", lambda: any(r["step"] >= step for r in step_log(op, name)),
-             timeout=timeout, interval=0.5)  # fmt: skip
+    wait_for(
+        f"{name}: rank 0 at step {step}",
+        lambda: any(r["step"] >= step for r in step_log(op, name)),
+        timeout=timeout,
+        interval=0.5,
+    )
 
 
 def trainer_pids(op: Operator, name: str, rank: int, program: bytes = b"dtjob.trainer") -> list[int]:
@@ -296,8 +318,13 @@ def sigkill_worker(op: Operator, name: str, rank: int, program: bytes = b"dtjob.
 
 def devcluster_node(action: str, name: str) -> None:
     """`dtjob devcluster node stop|start NAME` (node loss: its lease stops, its pods are killed)."""
-    done = subprocess.run([sys.executable, "-m", "dtjob.cli", "devcluster", "node", action, name],
-                          capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "dtjob.cli", "devcluster", "node", action, name],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
 
 

@@ -206,9 +206,15 @@ def release(devcluster: Devcluster) -> Iterator[None]:
     for namespace in (JOBS_NS, OTHER_NS):
         kubectl("create", "namespace", namespace)
     helm(
-        "install", RELEASE, *install_args(), "--create-namespace", "--set", f"watchNamespaces={{{JOBS_NS}}}",
-        check=True, timeout=300,
-    )  # fmt: skip
+        "install",
+        RELEASE,
+        *install_args(),
+        "--create-namespace",
+        "--set",
+        f"watchNamespaces={{{JOBS_NS}}}",
+        check=True,
+        timeout=300,
+    )
     try:
         yield
     finally:
@@ -294,8 +300,13 @@ def test_namespaced_install_cannot_see_or_touch_another_namespace(release: None)
     # RBAC: everything it needs in its namespace, nothing in another, only nodes cluster-wide.
     assert can_i("create", "pods", JOBS_NS) and can_i("watch", "distributedtrainingjobs", JOBS_NS)
     assert can_i("list", "nodes") and not can_i("patch", "nodes")
-    for verb, resource in [("list", "distributedtrainingjobs"), ("patch", "distributedtrainingjobs"),
-                           ("create", "pods"), ("create", "events"), ("get", "secrets")]:  # fmt: skip
+    for verb, resource in [
+        ("list", "distributedtrainingjobs"),
+        ("patch", "distributedtrainingjobs"),
+        ("create", "pods"),
+        ("create", "events"),
+        ("get", "secrets"),
+    ]:
         assert not can_i(verb, resource, OTHER_NS), f"{verb} {resource} in {OTHER_NS}"
         assert not can_i(verb, resource, "*"), f"{verb} {resource} in every namespace"
     name = "elsewhere"
@@ -424,8 +435,16 @@ def test_volcano_podgroups_need_the_volcano_value(release: None) -> None:
     try:
         holds_for("no PodGroup without volcano.enabled", lambda: not podgroup_exists(), BROKEN_WINDOW_SECONDS)
         wait_for_log(_denied("podgroups"))
-        helm("upgrade", RELEASE, *install_args(), "--reuse-values", "--set", "volcano.enabled=true",
-             check=True, timeout=300)  # fmt: skip
+        helm(
+            "upgrade",
+            RELEASE,
+            *install_args(),
+            "--reuse-values",
+            "--set",
+            "volcano.enabled=true",
+            check=True,
+            timeout=300,
+        )
         assert can_i("create", "podgroups.scheduling.volcano.sh", JOBS_NS)
         # The refused call fails the pass, which is retried with backoff (at most 30 s apart).
         wait_for("the PodGroup, created under the upgraded role", podgroup_exists, timeout=150)
@@ -437,8 +456,16 @@ def test_upgrade_to_all_namespaces_serves_the_other_namespace(release: None) -> 
     name = "seen-after-upgrade"
     apply(small_job(name, SLEEPER), OTHER_NS)
     try:
-        helm("upgrade", RELEASE, *install_args(), "--reuse-values", "--set-json", "watchNamespaces=[]",
-             check=True, timeout=300)  # fmt: skip
+        helm(
+            "upgrade",
+            RELEASE,
+            *install_args(),
+            "--reuse-values",
+            "--set-json",
+            "watchNamespaces=[]",
+            check=True,
+            timeout=300,
+        )
         args = operator_pod()["spec"]["containers"][0]["args"]
         assert "--all-namespaces" in args and not [a for a in args if a.startswith("--namespace")]
         assert kubectl("get", "role", RELEASE, "-n", JOBS_NS).returncode != 0

@@ -48,15 +48,23 @@ def namespace(devcluster: Devcluster) -> Iterator[str]:
 
 def make_job(namespace: str, name: str, resources: dict[str, Any] | None = None) -> dict[str, Any]:
     """Creates a job (nobody reconciles it but the test) and returns it as the API server has it."""
-    trainer = {"name": "trainer", "image": "dtjob/trainer:0.1.0", "command": SLEEPER,
-               "resources": resources or {"requests": {"cpu": "100m"}}}  # fmt: skip
+    trainer = {
+        "name": "trainer",
+        "image": "dtjob/trainer:0.1.0",
+        "command": SLEEPER,
+        "resources": resources or {"requests": {"cpu": "100m"}},
+    }
     manifest = {
         "apiVersion": "training.dtjob.io/v1alpha1",
         "kind": "DistributedTrainingJob",
         "metadata": {"name": name, "namespace": namespace},
-        "spec": {"replicas": 1, "template": {"spec": {"containers": [trainer],
-                 "securityContext": {"runAsUser": 0, "runAsNonRoot": False}}}},
-    }  # fmt: skip
+        "spec": {
+            "replicas": 1,
+            "template": {
+                "spec": {"containers": [trainer], "securityContext": {"runAsUser": 0, "runAsNonRoot": False}}
+            },
+        },
+    }
     kubectl("apply", "-f", "-", input=yaml.safe_dump(manifest), check=True)
     return dict(kubectl_json("get", "dtj", name, "-n", namespace))
 
@@ -84,9 +92,12 @@ def test_observe_and_execute_on_a_real_api_server(namespace: str) -> None:
 
     view = JobView(job)
     pod = worker_pod(view, rank=0, world_size=1, generation=0, defaults=WorkerDefaults())
-    actions = [PatchStatus({"phase": "Pending", "generation": 0, "replicas": 1}),
-               EmitEvent("Normal", "Created", "generation 0"), CreateService(headless_service(view)),
-               CreatePod(pod)]  # fmt: skip
+    actions = [
+        PatchStatus({"phase": "Pending", "generation": 0, "replicas": 1}),
+        EmitEvent("Normal", "Created", "generation 0"),
+        CreateService(headless_service(view)),
+        CreatePod(pod),
+    ]
     kube.execute(job, actions)
     kube.execute(job, actions[1:])  # a repeat is no error: AlreadyExists is tolerated
     created = kubectl_json("get", "pod", "observed-worker-0", "-n", namespace)
@@ -96,9 +107,12 @@ def test_observe_and_execute_on_a_real_api_server(namespace: str) -> None:
     assert job["status"]["phase"] == "Pending"
 
     # A pod with the job's label that another owner controls is not the job's.
-    stray = {"apiVersion": "v1", "kind": "Pod",
-             "metadata": {"name": "stray", "labels": {"training.dtjob.io/job-name": "observed"}},
-             "spec": {"containers": [{"name": "x", "image": "x", "command": SLEEPER}]}}  # fmt: skip
+    stray = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "stray", "labels": {"training.dtjob.io/job-name": "observed"}},
+        "spec": {"containers": [{"name": "x", "image": "x", "command": SLEEPER}]},
+    }
     kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(stray), check=True)
     seen = kube.observe(job)
     assert [p["metadata"]["name"] for p in seen.pods] == ["observed-worker-0"] and seen.service_exists
@@ -131,12 +145,19 @@ def test_observe_reads_the_leases_of_silent_nodes_only(namespace: str) -> None:
     job = make_job(namespace, "leases")
     nodes = sorted(n["metadata"]["name"] for n in kube.observe(job).nodes)
     assert kube.observe(job).leases == {}, "nothing silent, nothing deleting: no Lease read"
-    job["status"] = {"silentNodes": [{"name": nodes[0], "since": "2026-01-01T00:00:00Z"},
-                                     {"name": "no-such-node", "since": "2026-01-01T00:00:00Z"}]}  # fmt: skip
+    job["status"] = {
+        "silentNodes": [
+            {"name": nodes[0], "since": "2026-01-01T00:00:00Z"},
+            {"name": "no-such-node", "since": "2026-01-01T00:00:00Z"},
+        ]
+    }
     first = kube.observe(job).leases
     assert list(first) == [nodes[0]] and first[nodes[0]].endswith("Z")
-    wait_for("the kubelet's next renewal", lambda: kube.observe(job).leases[nodes[0]] != first[nodes[0]],
-             timeout=30)  # fmt: skip
+    wait_for(
+        "the kubelet's next renewal",
+        lambda: kube.observe(job).leases[nodes[0]] != first[nodes[0]],
+        timeout=30,
+    )
 
 
 def test_a_worker_avoiding_silent_nodes_is_a_pod_the_api_server_accepts(namespace: str) -> None:
@@ -170,8 +191,12 @@ def test_a_refused_action_names_itself_and_the_server_reason(namespace: str) -> 
 
 # --- JobPassRunner ----------------------------------------------------------------------------------
 def no_pods_quota(namespace: str) -> None:
-    quota = {"apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": "no-pods"},
-             "spec": {"hard": {"pods": "0"}}}  # fmt: skip
+    quota = {
+        "apiVersion": "v1",
+        "kind": "ResourceQuota",
+        "metadata": {"name": "no-pods"},
+        "spec": {"hard": {"pods": "0"}},
+    }
     kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(quota), check=True)
 
 
@@ -185,8 +210,12 @@ def test_a_failing_pass_is_reported_retried_with_backoff_and_recovers(namespace:
         started = time.monotonic()
         runner.trigger(namespace, "backoff")  # the pass hands its writes over and returns
         # The pod creation fails after its pass; the next pass reports it and backs off.
-        wait_for("the failed creation", lambda: runner.failing_attempts(namespace, "backoff") > 0,
-                 timeout=30, interval=0.01)  # fmt: skip
+        wait_for(
+            "the failed creation",
+            lambda: runner.failing_attempts(namespace, "backoff") > 0,
+            timeout=30,
+            interval=0.01,
+        )
         reported = time.monotonic() - started
         assert runner.failing_attempts(namespace, "backoff") == 1
         triggered = 0

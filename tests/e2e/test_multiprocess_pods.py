@@ -44,7 +44,7 @@ TRAINER = [
     "--global-batch-size=12",
     "--lr=3e-3",
     "--warmup-steps=2",
-]  # fmt: skip (what operator_harness.job_manifest runs)
+]  # what operator_harness.job_manifest runs
 
 
 @pytest.fixture(scope="module")

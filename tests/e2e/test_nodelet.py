@@ -141,9 +141,13 @@ def test_pods_under_a_headless_service_talk_over_tcp_by_dns_name(ns: str) -> Non
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": {"name": "pair", "namespace": ns},
-        "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": {"app": "pair"},
-                 "ports": [{"port": 7000}]},
-    }  # fmt: skip
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": {"app": "pair"},
+            "ports": [{"port": 7000}],
+        },
+    }
     # On two different nodes, so the traffic crosses the bridge between two network namespaces.
     member: dict[str, Any] = {"labels": {"app": "pair"}, "subdomain": "pair"}
     server = pod(ns, "server", SERVER, hostname="server", nodeSelector=on_node(1), **member)
@@ -226,12 +230,20 @@ def test_service_account_token_grants_exactly_what_rbac_allows(ns: str) -> None:
     rbac = "rbac.authorization.k8s.io/v1"
     apply(
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "lister", "namespace": ns}},
-        {"apiVersion": rbac, "kind": "Role", "metadata": {"name": "list-pods", "namespace": ns},
-         "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]}]},
-        {"apiVersion": rbac, "kind": "RoleBinding", "metadata": {"name": "lister", "namespace": ns},
-         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "list-pods"},
-         "subjects": [{"kind": "ServiceAccount", "name": "lister", "namespace": ns}]},
-    )  # fmt: skip
+        {
+            "apiVersion": rbac,
+            "kind": "Role",
+            "metadata": {"name": "list-pods", "namespace": ns},
+            "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]}],
+        },
+        {
+            "apiVersion": rbac,
+            "kind": "RoleBinding",
+            "metadata": {"name": "lister", "namespace": ns},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "list-pods"},
+            "subjects": [{"kind": "ServiceAccount", "name": "lister", "namespace": ns}],
+        },
+    )
     apply(pod(ns, "sa-client", SA_CLIENT, serviceAccountName="lister"))
     p = wait_phase(ns, "sa-client", "Succeeded", "Failed")
     assert p["status"]["phase"] == "Succeeded", logs(ns, "sa-client")

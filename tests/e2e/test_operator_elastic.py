@@ -118,8 +118,17 @@ def test_node_loss_shrinks_not_below_min_and_grows_back_without_losing_a_step(op
     # 3 cpus per worker on 4-cpu nodes: one worker per node, no spare capacity anywhere. The step
     # gate holds each generation where the test acts.
     steps = 40
-    manifest = job_manifest(op, "nodes", replicas=3, min_replicas=2, max_replicas=3, steps=steps, cpu="3",
-                            checkpoint_every=4, gate=8)  # fmt: skip
+    manifest = job_manifest(
+        op,
+        "nodes",
+        replicas=3,
+        min_replicas=2,
+        max_replicas=3,
+        steps=steps,
+        cpu="3",
+        checkpoint_every=4,
+        gate=8,
+    )
     apply(manifest)
     wait_step(op, "nodes", 8)
     lost = _node_of(op, "nodes-worker-1")

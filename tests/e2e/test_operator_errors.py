@@ -78,8 +78,13 @@ def test_a_refused_pod_shows_on_the_job_in_seconds_and_the_job_recovers_by_itsel
     event = warning(op, "refused", "ActionFailed") or {}
     assert event["message"].startswith("creating pod refused-worker-0: 403 Forbidden: ")
     assert "exceeded quota" in event["message"], event["message"]
-    st = wait_status(op, "refused", "condition Reconciled=False",
-                     lambda s: condition(s, "Reconciled").get("status") == "False", timeout=30)  # fmt: skip
+    st = wait_status(
+        op,
+        "refused",
+        "condition Reconciled=False",
+        lambda s: condition(s, "Reconciled").get("status") == "False",
+        timeout=30,
+    )
     reconciled = condition(st, "Reconciled")
     assert reconciled["reason"] == "ActionFailed" and "(attempt " in reconciled["message"]
     assert "; retrying in " in reconciled["message"]

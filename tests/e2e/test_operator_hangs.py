@@ -108,11 +108,14 @@ def test_a_step_that_stops_advancing_restarts_the_gang_counted(op: Operator) -> 
     # Generation 1's step advances one a second: past the deadline's length of running, no
     # second restart (a moving step is progress).
     first = wait_status(op, "stall", "generation 1 stepping", lambda s: steps_in(s, 1, 8), timeout=90)
-    wait_status(op, "stall", "generation 1 past the deadline", lambda s: steps_in(s, 1, first["step"] + 8),
-                timeout=60)  # fmt: skip
+    wait_status(
+        op, "stall", "generation 1 past the deadline", lambda s: steps_in(s, 1, first["step"] + 8), timeout=60
+    )
     gate(op, "stall").touch()
     done = wait_phase(op, "stall", "Succeeded", timeout=60)
     assert (done["restarts"], done["generation"]) == (1, 1)
-    wait_for("no ProgressDeadlineExceeded beyond the first",
-             lambda: [e["reason"] for e in events(op, "stall")].count("ProgressDeadlineExceeded") == 1,
-             timeout=5)  # fmt: skip
+    wait_for(
+        "no ProgressDeadlineExceeded beyond the first",
+        lambda: [e["reason"] for e in events(op, "stall")].count("ProgressDeadlineExceeded") == 1,
+        timeout=5,
+    )

@@ -95,8 +95,11 @@ def test_volcano_job_gets_a_podgroup_of_the_gang_shape(op: Operator) -> None:
 
     def group() -> dict[str, object] | None:
         got = kubectl("get", "podgroups.scheduling.volcano.sh", "gang", "-n", op.namespace, "-o", "json")
-        return None if got.returncode else kubectl_json("get", "podgroups.scheduling.volcano.sh", "gang",
-                                                         "-n", op.namespace)  # fmt: skip
+        return (
+            None
+            if got.returncode
+            else kubectl_json("get", "podgroups.scheduling.volcano.sh", "gang", "-n", op.namespace)
+        )
 
     wait_for("the PodGroup", lambda: group() is not None, timeout=60)
     wait_for("3 pods", lambda: len(pods(op, "gang")) == 3, timeout=60)

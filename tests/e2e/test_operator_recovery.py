@@ -47,8 +47,9 @@ def record(measurement: dict[str, object]) -> None:
 
 def test_sigkilled_worker_resumes_from_the_last_checkpoint_at_the_same_size(op: Operator) -> None:
     steps = 30
-    manifest = job_manifest(op, "kill", replicas=3, steps=steps, checkpoint_every=5, gate=12,
-                            restart_in_place=False)  # fmt: skip
+    manifest = job_manifest(
+        op, "kill", replicas=3, steps=steps, checkpoint_every=5, gate=12, restart_in_place=False
+    )
     apply(manifest)
     wait_step(op, "kill", 12)
     killed_at = sigkill_worker(op, "kill", rank=1)
@@ -114,8 +115,9 @@ def test_a_sigkilled_trainer_restarts_in_place_in_the_same_pods(op: Operator) ->
 def test_operator_killed_during_a_gang_restart_converges_without_duplicates(op: Operator) -> None:
     steps = 30
     # A restart in new pods (in place, no pod would be replaced while the operator is down).
-    manifest = job_manifest(op, "crash", replicas=3, steps=steps, checkpoint_every=5, gate=8,
-                            restart_in_place=False)  # fmt: skip
+    manifest = job_manifest(
+        op, "crash", replicas=3, steps=steps, checkpoint_every=5, gate=8, restart_in_place=False
+    )
     apply(manifest)
     wait_step(op, "crash", 8)
     sigkill_worker(op, "crash", rank=2)

@@ -78,8 +78,11 @@ def test_simulated_pod_ips_stay_inside_the_devcluster_pod_network(simulated_node
     and routed to the devcluster's bridge (never a default route out of this machine)."""
     names = [f"ip-probe-{i}" for i in range(4)]
     for name in names:
-        spec = {"containers": [{"name": "c", "image": "none", "command": ["sleep", "1"]}],
-                "tolerations": [kwok.TOLERATION], "nodeSelector": dict(kwok.NODE_SELECTOR)}  # fmt: skip
+        spec = {
+            "containers": [{"name": "c", "image": "none", "command": ["sleep", "1"]}],
+            "tolerations": [kwok.TOLERATION],
+            "nodeSelector": dict(kwok.NODE_SELECTOR),
+        }
         meta = {"name": name, "namespace": "default"}
         pod = {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec}
         simulated_nodes.request("POST", "/api/v1/namespaces/default/pods", pod)
@@ -106,8 +109,11 @@ def test_a_128_worker_gang_is_created_once_and_restarted_whole(op: Operator, sim
         wait_for("phase Running", lambda: status(op, "big").get("phase") == "Running", TIMEOUT)
         first = status(op, "big")
         assert (first["replicas"], first["readyReplicas"], first["generation"], first["restarts"]) == (
-            WORKERS, WORKERS, 0, 0,
-        )  # fmt: skip
+            WORKERS,
+            WORKERS,
+            0,
+            0,
+        )
         gen0 = watch.records("big", 0)
         assert len(gen0) == WORKERS and created_once(gen0) == {}
         assert {r.rank for r in gen0} == set(range(WORKERS))
@@ -173,8 +179,10 @@ def test_50_jobs_run_and_5_of_them_recover_from_a_lost_worker(op: Operator, simu
             s = jobs[n]
             want = (1, 1) if n in lose else (0, 0)
             assert (s.get("phase"), s.get("readyReplicas"), (s.get("generation"), s.get("restarts"))) == (
-                "Running", 4, want,
-            ), n  # fmt: skip
+                "Running",
+                4,
+                want,
+            ), n
             for generation in (0, 1) if n in lose else (0,):
                 assert created_once(watch.records(n, generation)) == {}, (n, generation)
             assert len(watch.records(n)) == (8 if n in lose else 4), n

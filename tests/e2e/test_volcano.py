@@ -209,8 +209,17 @@ def test_full_queue_holds_its_job_while_the_other_queue_runs(op: Operator) -> No
 def test_high_priority_job_preempts_a_low_one_which_resumes_from_its_checkpoint(op: Operator) -> None:
     steps = 150
     # one 2-GPU worker per node: the low job holds all 6 GPUs
-    low = gang_job(op, "low", replicas=3, min_replicas=3, max_replicas=3, gpus=2, steps=steps,
-                   checkpoint_every=5, scheduling={"priorityClassName": LOW})  # fmt: skip
+    low = gang_job(
+        op,
+        "low",
+        replicas=3,
+        min_replicas=3,
+        max_replicas=3,
+        gpus=2,
+        steps=steps,
+        checkpoint_every=5,
+        scheduling={"priorityClassName": LOW},
+    )
     high = gang_job(op, "high", replicas=1, gpus=1, steps=30, scheduling={"priorityClassName": HIGH})
     checkpoints = SCRATCH / op.namespace / "low" / "checkpoints"
     with Timeline(op, "low") as timeline:
@@ -254,8 +263,9 @@ def running_again(s: dict[str, Any]) -> bool:
 def test_node_loss_shrinks_the_gang_and_its_podgroup_then_grows_back(op: Operator) -> None:
     steps = 200
     # 3 cpus per worker on 4-cpu nodes: one worker per node
-    manifest = gang_job(op, "elastic", replicas=3, min_replicas=2, max_replicas=3, cpu="3", steps=steps,
-                        checkpoint_every=4)  # fmt: skip
+    manifest = gang_job(
+        op, "elastic", replicas=3, min_replicas=2, max_replicas=3, cpu="3", steps=steps, checkpoint_every=4
+    )
     with Timeline(op, "elastic") as timeline:
         apply(manifest)
         wait_phase(op, "elastic", "Running", timeout=120)
@@ -265,8 +275,13 @@ def test_node_loss_shrinks_the_gang_and_its_podgroup_then_grows_back(op: Operato
         )
         node_action("stop", lost)
         try:
-            small = wait_status(op, "elastic", "2 running", lambda s: s.get("replicas") == 2
-                                and s.get("phase") == "Running", timeout=180)  # fmt: skip
+            small = wait_status(
+                op,
+                "elastic",
+                "2 running",
+                lambda s: s.get("replicas") == 2 and s.get("phase") == "Running",
+                timeout=180,
+            )
             group = podgroup(op, "elastic")
             assert group is not None and group["spec"]["minMember"] == 2
             assert small["generation"] >= 1
@@ -344,9 +359,23 @@ def test_helm_chart_with_volcano_enabled_runs_queued_jobs_to_succeeded(op: Opera
     apply_objects(queue("vq-helm", {"cpu": "1", "memory": "1Gi"}))
     wait_queue_open("vq-helm")
     try:
-        helm("install", HELM_RELEASE, str(REPO / "helm" / "dtjob"), "--namespace", HELM_NS,
-             "--create-namespace", "--wait", "--timeout", "180s", "--set", "volcano.enabled=true",
-             "--set", f"watchNamespaces={{{jobs_ns}}}", check=True, timeout=300)  # fmt: skip
+        helm(
+            "install",
+            HELM_RELEASE,
+            str(REPO / "helm" / "dtjob"),
+            "--namespace",
+            HELM_NS,
+            "--create-namespace",
+            "--wait",
+            "--timeout",
+            "180s",
+            "--set",
+            "volcano.enabled=true",
+            "--set",
+            f"watchNamespaces={{{jobs_ns}}}",
+            check=True,
+            timeout=300,
+        )
         for name in ("first", "second"):
             apply(gang_job(chart_op, name, replicas=2, steps=20, scheduling={"queue": "vq-helm"}))
         first = wait_phase(chart_op, "first", "Succeeded", timeout=300)
@@ -358,8 +387,10 @@ def test_helm_chart_with_volcano_enabled_runs_queued_jobs_to_succeeded(op: Opera
         print(f"\nhelm + volcano: bound at {starts}, done at {ends}")
         later, earlier = sorted(starts, key=lambda n: starts[n], reverse=True)
         assert starts[later] >= ends[earlier], f"both ran at once in a queue for one: {starts} {ends}"
-        said = {n: [(e["reason"], e["message"]) for e in events(chart_op, n) if "Gang" in e["reason"]]
-                for n in starts}  # fmt: skip
+        said = {
+            n: [(e["reason"], e["message"]) for e in events(chart_op, n) if "Gang" in e["reason"]]
+            for n in starts
+        }
         print(f"gang conditions: {[condition(d, 'GangScheduled') for d in (first, second)]}; events: {said}")
         # what the chart's RBAC lets the operator read: the PodGroups and the queue
         assert any("Volcano queue vq-helm is full" in m for _, m in said[later]), said[later]

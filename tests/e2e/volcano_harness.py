@@ -202,9 +202,13 @@ class Timeline:
         version: str | None = None
         while not self._stop.is_set():
             try:
-                events = watch.Watch().stream(core.list_namespaced_pod, self.op.namespace,
-                                              label_selector=selector, resource_version=version,
-                                              timeout_seconds=5)  # fmt: skip
+                events = watch.Watch().stream(
+                    core.list_namespaced_pod,
+                    self.op.namespace,
+                    label_selector=selector,
+                    resource_version=version,
+                    timeout_seconds=5,
+                )
                 for event in events:
                     pod = core.api_client.sanitize_for_serialization(event["object"])
                     version = pod["metadata"].get("resourceVersion") or version

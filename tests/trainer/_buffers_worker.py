@@ -20,14 +20,10 @@ semantics.
 from __future__ import annotations
 
 import os
-import tempfile
-import time
-import traceback
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
@@ -234,46 +230,15 @@ def _run_case(case: dict[str, Any]) -> dict[str, Any]:
     return {"losses": losses, "eval": out, "buffers": buffers, "full": full}
 
 
-def _worker(rank: int, world: int, cases: list[dict[str, Any]], out_dir: str) -> None:
-    torch.set_num_threads(1)
-    store = os.path.join(out_dir, "rendezvous")
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    results: dict[str, Any] = {}
-    for case in cases:
-        try:
-            results[case["name"]] = _run_case(case)
-        except Exception as e:
-            if case.get("expect_error"):  # raised on every rank alike: the group is in step
-                results[case["name"]] = {"raised": f"{type(e).__name__}: {e}"}
-                continue
-            results[case["name"]] = {"error": traceback.format_exc()}
-            break  # the group may be out of step now
-    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-class BuffersWorld:
-    """`world` gloo processes running `cases`, started without waiting (results() waits)."""
-
-    def __init__(self, world: int, cases: list[dict[str, Any]]) -> None:
-        self.world = world
-        self._dir = tempfile.TemporaryDirectory(prefix=f"dtjob-buffers{world}-")
-        self._ctx = mp.start_processes(
-            _worker, args=(world, cases, self._dir.name), nprocs=world, join=False, start_method="spawn"
-        )
-
-    def results(self, timeout: float = 600) -> list[dict[str, Any]]:
-        deadline = time.monotonic() + timeout
-        try:
-            while not self._ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-                if time.monotonic() > deadline:
-                    for p in self._ctx.processes:
-                        p.kill()
-                    raise TimeoutError(f"world of {self.world} did not finish within {timeout}s")
-            return [torch.load(os.path.join(self._dir.name, f"rank{r}.pt")) for r in range(self.world)]
-        finally:
-            self._dir.cleanup()
+def run_case(case: dict[str, Any]) -> dict[str, Any]:
+    """One case on this rank (the run_case of _parallel_harness.World). A case with expect_error
+    returns the exception, which every rank raises alike, so the group stays in step."""
+    try:
+        return _run_case(case)
+    except Exception as e:
+        if not case.get("expect_error"):
+            raise
+        return {"raised": f"{type(e).__name__}: {e}"}
 
 
 def check(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -282,8 +247,3 @@ def check(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for name, result in per_case.items():
             assert "error" not in result, f"rank {rank}, case {name}:\n{result['error']}"
     return results
-
-
-def run(world: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each rank's results by case name."""
-    return check(BuffersWorld(world, cases).results())

@@ -62,15 +62,30 @@ def hf_model(kind: str) -> nn.Module:
     transformers.logging.set_verbosity_error()
     if kind == "hf-gpt2":  # its head is tied to the token embedding
         config = transformers.GPT2Config(
-            vocab_size=HF_VOCAB, n_positions=HF_SEQ, n_embd=32, n_layer=3, n_head=2,
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
-        )  # fmt: skip
+            vocab_size=HF_VOCAB,
+            n_positions=HF_SEQ,
+            n_embd=32,
+            n_layer=3,
+            n_head=2,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
         return transformers.GPT2LMHeadModel(config)
     config = transformers.LlamaConfig(
-        vocab_size=HF_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=HF_SEQ,
-        bos_token_id=0, eos_token_id=0, pad_token_id=0,
-    )  # fmt: skip
+        vocab_size=HF_VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=HF_SEQ,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
     return transformers.LlamaForCausalLM(config)
 
 

@@ -8,20 +8,16 @@ single-process references run in the test's own process (`t5_reference`, `moe_re
 from __future__ import annotations
 
 import functools
-import os
-import tempfile
-import time
-import traceback
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
 from dtjob.trainer.parallel import pipeline
+from tests.trainer._parallel_harness import run_world
 
 STEPS = 3
 TIMEOUT_S = 240  # a hang fails the test instead of blocking it
@@ -39,11 +35,22 @@ def t5() -> nn.Module:
 
     transformers.logging.set_verbosity_error()
     config = transformers.T5Config(
-        vocab_size=T5_VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
-        num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=16,
-        dropout_rate=0.0, use_cache=False, decoder_start_token_id=0, pad_token_id=0,
-        eos_token_id=1, tie_word_embeddings=True,
-    )  # fmt: skip
+        vocab_size=T5_VOCAB,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=16,
+        dropout_rate=0.0,
+        use_cache=False,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        eos_token_id=1,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     return transformers.T5ForConditionalGeneration(config)
 
@@ -251,8 +258,8 @@ def check_auto_split_model_output(rank: int, world: int) -> dict[str, Any]:
     try:
         pipe.step(x, y)
     except Exception as err:  # the test reads it
-        return {"error": f"{type(err).__name__}: {err}"}
-    return {"error": None}
+        return {"raised": f"{type(err).__name__}: {err}"}
+    return {"raised": None}
 
 
 CHECKS: dict[str, Callable[[int, int], dict[str, Any]]] = {
@@ -264,40 +271,12 @@ CHECKS: dict[str, Callable[[int, int], dict[str, Any]]] = {
 
 
 # -- the process group ---------------------------------------------------------------------------
-def _worker(rank: int, world: int, checks: list[str], out_dir: str) -> None:
-    torch.set_num_threads(1)
-    store = os.path.join(out_dir, "rendezvous")
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    results: dict[str, Any] = {}
-    for name in checks:
-        try:
-            results[name] = CHECKS[name](rank, world)
-        except Exception:  # reported to the test, which fails on it
-            results[name] = {"failed": traceback.format_exc()}
-            break  # the group may be out of step now
-    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+def _run_check(case: dict[str, Any]) -> dict[str, Any]:
+    return CHECKS[case["name"]](dist.get_rank(), dist.get_world_size())
 
 
 @functools.cache
 def run(world: int, checks: tuple[str, ...]) -> list[dict[str, Any]]:
-    """Each rank's results of `checks`, run in order in one group of `world` processes."""
-    with tempfile.TemporaryDirectory(prefix=f"dtjob-pp-models{world}-") as out_dir:
-        ctx = mp.start_processes(
-            _worker, args=(world, list(checks), out_dir), nprocs=world, join=False, start_method="spawn"
-        )
-        deadline = time.monotonic() + TIMEOUT_S
-        try:
-            while not ctx.join(timeout=1):
-                if time.monotonic() > deadline:
-                    done = [f for f in sorted(os.listdir(out_dir)) if f.endswith(".pt")]
-                    said = [torch.load(os.path.join(out_dir, f), weights_only=False) for f in done]
-                    raise AssertionError(
-                        f"the checks {checks} did not end within {TIMEOUT_S} s: {done} {said}"
-                    )
-        finally:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-        return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+    """Each rank's results of `checks`, run in order in one group of `world` processes (a check
+    that raised: {"error": its traceback}, and the later ones not run)."""
+    return run_world(world, [{"name": name} for name in checks], timeout=TIMEOUT_S, run_case=_run_check)

@@ -35,9 +35,18 @@ def gpt2() -> nn.Module:
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
     config = transformers.GPT2Config(
-        vocab_size=VOCAB, n_positions=32, n_embd=24, n_layer=2, n_head=3,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=0,
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        n_positions=32,
+        n_embd=24,
+        n_layer=2,
+        n_head=3,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
     return transformers.GPT2LMHeadModel(config)
 
 
@@ -47,10 +56,21 @@ def t5() -> nn.Module:
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
     config = transformers.T5Config(
-        vocab_size=VOCAB, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_decoder_layers=2, num_heads=2,
-        relative_attention_num_buckets=8, relative_attention_max_distance=16, dropout_rate=0.0,
-        tie_word_embeddings=True, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        d_model=16,
+        d_kv=8,
+        d_ff=32,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=2,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=16,
+        dropout_rate=0.0,
+        tie_word_embeddings=True,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        eos_token_id=1,
+    )
     return transformers.T5ForConditionalGeneration(config)
 
 
@@ -93,9 +113,14 @@ def prompt() -> torch.Tensor:
 
 def greedy(model: Any, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     out = model.generate(
-        input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
-        pad_token_id=0, output_scores=True, return_dict_in_generate=True,
-    )  # fmt: skip
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=6,
+        do_sample=False,
+        pad_token_id=0,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
     return out.sequences, torch.stack(out.scores)
 
 

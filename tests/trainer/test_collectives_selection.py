@@ -64,8 +64,12 @@ def test_broadcast_uses_the_tree_for_small_and_scatter_allgather_for_large() -> 
 
 
 def test_every_offered_algorithm_has_an_implementation_and_a_cost() -> None:
-    tables = {"allreduce": api._ALL_REDUCE, "reduce_scatter": api._REDUCE_SCATTER,
-              "allgather": api._ALL_GATHER, "broadcast": api._BROADCAST}  # fmt: skip
+    tables = {
+        "allreduce": api._ALL_REDUCE,
+        "reduce_scatter": api._REDUCE_SCATTER,
+        "allgather": api._ALL_GATHER,
+        "broadcast": api._BROADCAST,
+    }
     own = {op: set(a) - {"native", "hier"} for op, a in ALGORITHMS.items()}
     assert {op: set(t) for op, t in tables.items()} == own
     assert all("native" in algos for algos in ALGORITHMS.values()), "native is offered for every op"

@@ -56,8 +56,8 @@ def test_a_rank_raising_at_step_2_ends_its_peer_within_10s(tmp_path: Path, mode:
         print(f"fail-fast {mode}: rank 0 exited {code} {exited_at - failed_at:.2f}s after rank 1 raised")
         if mode == "session":  # the session leaves at once (os._exit): the bound holds for the exit
             assert exited_at - failed_at < BOUND_S, gang.stderr()
-        else:  # the bound holds for the error; the interpreter's teardown after it took 1.7-8.7 s
-            # on this shared 2-core machine (load 6-13), which the bound is not about
+        else:  # the bound holds for the error, not for the interpreter's teardown after it
+            # (up to 8.7 s on a shared 2-core machine at load 13)
             raised_at = _when(tmp_path / "raised-0")
             print(f"fail-fast {mode}: rank 0 raised {raised_at - failed_at:.2f}s after rank 1 raised")
             assert raised_at - failed_at < BOUND_S, gang.stderr()

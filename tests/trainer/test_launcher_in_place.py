@@ -105,8 +105,16 @@ def _agents(
             contract.ENV_RESTARTS_LEFT: str(restarts_left),
             contract.ENV_PERMANENT_EXIT_CODES: permanent,
         }
-        command = [sys.executable, "-m", "dtjob.launcher", "--", sys.executable, str(tmp_path / "trainer.py"),
-                   str(tmp_path), mode]  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "dtjob.launcher",
+            "--",
+            sys.executable,
+            str(tmp_path / "trainer.py"),
+            str(tmp_path),
+            mode,
+        ]
         agents[pod] = subprocess.Popen(
             command, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True
         )

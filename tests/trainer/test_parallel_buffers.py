@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 import torch
 
-from tests.trainer._buffers_worker import BuffersWorld, check, reference, reference_global
+from tests.trainer._buffers_worker import check, reference, reference_global, run_case
+from tests.trainer._parallel_harness import World
 
 pytestmark = pytest.mark.slow
 
@@ -53,7 +54,7 @@ def trained(checkpoints: Path) -> dict[str, Results]:
         {"name": "sync-pipeline", "strategy": "pipeline", "steps": STEPS, "sync_bn": True},
         {"name": "sync-pipeline-world", "strategy": "pipeline", "sync_bn": "world", "expect_error": True},
     ]
-    worlds = BuffersWorld(2, two), BuffersWorld(4, four)
+    worlds = World(2, two, run_case), World(4, four, run_case)
     results = [check(w.results()) for w in worlds]
     by_case = {name: results[0] for name in [c["name"] for c in two]}
     by_case |= {name: results[1] for name in [c["name"] for c in four]}
@@ -69,9 +70,9 @@ def resumed(trained: dict[str, Results], checkpoints: Path) -> dict[str, Results
         return [{"name": s, "strategy": s, "load_from": str(checkpoints / s)} for s in names]
 
     worlds = {
-        3: BuffersWorld(3, cases(PLAIN)),
-        1: BuffersWorld(1, cases(("ddp", "zero3"))),
-        2: BuffersWorld(2, cases(("pipeline",))),
+        3: World(3, cases(PLAIN), run_case),
+        1: World(1, cases(("ddp", "zero3")), run_case),
+        2: World(2, cases(("pipeline",)), run_case),
     }
     out: dict[str, Results] = {}
     for world, w in worlds.items():

@@ -21,9 +21,9 @@ WORLD2 = ("t5", "sparse", "eval", "auto_split")
 
 
 def _results(world: int, checks: tuple[str, ...], name: str) -> list[dict[str, Any]]:
-    per_rank = [r.get(name, {"failed": f"not run: {sorted(r)}"}) for r in pm.run(world, checks)]
+    per_rank = [r.get(name, {"error": f"not run: {sorted(r)}"}) for r in pm.run(world, checks)]
     for rank, result in enumerate(per_rank):
-        assert "failed" not in result, f"rank {rank}:\n{result['failed']}"
+        assert "error" not in result, f"rank {rank}:\n{result['error']}"
     return per_rank
 
 
@@ -93,7 +93,7 @@ def test_eval_step_inside_a_training_loop_matches_the_unwrapped_model() -> None:
 def test_auto_split_where_a_model_output_crosses_says_how_to_split() -> None:
     per_rank = _results(2, WORLD2, "auto_split")
     for rank, result in enumerate(per_rank):
-        error = result["error"]
+        error = result["raised"]
         assert error is not None and "BaseModelOutput" in error and "split=[" in error, (
             f"rank {rank}: {error}"
         )

@@ -24,13 +24,15 @@ from tests.trainer.runtime_gang import (
 
 pytestmark = pytest.mark.slow
 
+# fmt: off
 ARGS = [
     *TINY_GPT,
     "--global-batch-size", "4",
     "--checkpoint-every", "2",
     "--keep-checkpoints", "3",
     "--collective", "native",
-]  # fmt: skip
+]
+# fmt: on
 
 
 def test_retention_and_fallback_past_damaged_checkpoints(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ from tests.trainer.runtime_gang import TINY_GPT, Gang, free_port, launch, scrape
 
 pytestmark = pytest.mark.slow
 
+# fmt: off
 ARGS = [
     *TINY_GPT,
     "--global-batch-size", "8",
@@ -27,7 +28,8 @@ ARGS = [
     "--warmup-steps", "2",
     "--checkpoint-every", "4",
     "--seed", "3",
-]  # fmt: skip
+]
+# fmt: on
 REL_TOL = 1e-5
 
 
@@ -64,16 +66,35 @@ def _agents(tmp_path: Path, args: list[str], metrics_port: int) -> Gang:
     master_port, agent_port = free_port(), free_port()
     procs = []
     for pod in (0, 1):
-        env = trainer_env(**{
-            contract.ENV_RANK: str(pod), contract.ENV_WORLD_SIZE: "2", contract.ENV_MASTER_ADDR: "127.0.0.1",
-            contract.ENV_MASTER_PORT: str(master_port), contract.ENV_AGENT_PORT: str(agent_port),
-            contract.ENV_RESTARTS_LEFT: "3", contract.ENV_METRICS_PORT: str(metrics_port if pod == 0 else 0),
-        })  # fmt: skip
-        command = [sys.executable, "-m", "dtjob.launcher", "--", sys.executable, "-m", "dtjob.trainer",
-                   *args, "--log-file", str(log_file)]  # fmt: skip
+        env = trainer_env(
+            **{
+                contract.ENV_RANK: str(pod),
+                contract.ENV_WORLD_SIZE: "2",
+                contract.ENV_MASTER_ADDR: "127.0.0.1",
+                contract.ENV_MASTER_PORT: str(master_port),
+                contract.ENV_AGENT_PORT: str(agent_port),
+                contract.ENV_RESTARTS_LEFT: "3",
+                contract.ENV_METRICS_PORT: str(metrics_port if pod == 0 else 0),
+            }
+        )
+        command = [
+            sys.executable,
+            "-m",
+            "dtjob.launcher",
+            "--",
+            sys.executable,
+            "-m",
+            "dtjob.trainer",
+            *args,
+            "--log-file",
+            str(log_file),
+        ]
         with (logs / f"rank{pod}.out").open("wb") as out, (logs / f"rank{pod}.err").open("wb") as err:
-            procs.append(subprocess.Popen(command, env=env, stdout=out, stderr=err, cwd=tmp_path,
-                                          start_new_session=True))  # fmt: skip
+            procs.append(
+                subprocess.Popen(
+                    command, env=env, stdout=out, stderr=err, cwd=tmp_path, start_new_session=True
+                )
+            )
     return Gang(procs, logs, log_file)
 
 
@@ -81,8 +102,9 @@ def test_a_killed_trainer_restarts_in_place_and_continues_the_same_trajectory(tm
     gate = tmp_path / "gate"
     gate.write_text("6")
     metrics_port = free_port()
-    agents = _agents(tmp_path, [*ARGS, "--checkpoint-dir", str(tmp_path / "ckpt"), "--step-gate", str(gate)],
-                     metrics_port)  # fmt: skip
+    agents = _agents(
+        tmp_path, [*ARGS, "--checkpoint-dir", str(tmp_path / "ckpt"), "--step-gate", str(gate)], metrics_port
+    )
     reference = launch(1, [*ARGS, "--checkpoint-dir", str(tmp_path / "ref")], tmp_path, "reference")
     try:
         wait_for(lambda: any(s["step"] == 6 for s in agents.steps()), "step 6")
@@ -93,9 +115,15 @@ def test_a_killed_trainer_restarts_in_place_and_continues_the_same_trajectory(tm
         assert len(victim) == 1
         os.kill(victim[0], signal.SIGKILL)
         wait_for(lambda: all(_trainers(pid) == [standbys[pid]] for pid in pids), "trainers from the standbys")
-        wait_for(lambda: (scrape(metrics_port) or {}).get(
-            f'{contract.METRIC_IN_PLACE_RESTARTS}{{cause="rank 1 (pod 1) exited 137 (SIGKILL)"}}') == 1.0,
-            "rank 0 reporting its restart in place")  # fmt: skip
+        wait_for(
+            lambda: (
+                (scrape(metrics_port) or {}).get(
+                    f'{contract.METRIC_IN_PLACE_RESTARTS}{{cause="rank 1 (pod 1) exited 137 (SIGKILL)"}}'
+                )
+                == 1.0
+            ),
+            "rank 0 reporting its restart in place",
+        )
         gate.write_text("12")
         codes = agents.wait()
         assert codes == [0, 0], agents.stderr()

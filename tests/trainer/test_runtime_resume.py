@@ -18,6 +18,7 @@ from tests.trainer.runtime_gang import TINY_GPT, Gang, checkpoint_steps, launch
 pytestmark = pytest.mark.slow
 
 # 12 is divisible by 4, 3 and 2, so every world size splits the same global batch evenly.
+# fmt: off
 ARGS = [
     *TINY_GPT,
     "--global-batch-size", "12",
@@ -28,7 +29,8 @@ ARGS = [
     "--keep-checkpoints", "5",
     "--seed", "7",
     "--collective", "native",
-]  # fmt: skip
+]
+# fmt: on
 STRATEGIES = {"ddp": ["--strategy", "ddp"], "zero3": ["--strategy", "fsdp", "--zero-stage", "3"]}
 REL_TOL = 1e-5
 

@@ -147,8 +147,9 @@ def test_a_verdict_left_in_torchruns_store_by_an_earlier_gang_does_not_end_the_n
     import torch.distributed as dist
 
     port = free_port_run(1)
-    store = dist.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=30))  # fmt: skip
+    store = dist.TCPStore(
+        "127.0.0.1", port, 2, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
+    )
     earlier = "dtjob/g0/ws2/hb"  # where a gang of generation 0 at world size 2 kept its heartbeat
     store.set(f"{earlier}/lost-rank", "1")
     store.add(f"{earlier}/lost", 1)

@@ -139,16 +139,25 @@ def running_status(
         "selector": "training.dtjob.io/job-name=gpt",
         "startTime": to_rfc3339(at(0)),
         "conditions": [
-            {"type": "Running", "status": "True", "reason": "Running", "message": "",
-             "lastTransitionTime": to_rfc3339(at(since))},
+            {
+                "type": "Running",
+                "status": "True",
+                "reason": "Running",
+                "message": "",
+                "lastTransitionTime": to_rfc3339(at(since)),
+            },
         ],
-    }  # fmt: skip
+    }
     if metrics:
         status["conditions"].append(
-            {"type": "MetricsAvailable", "status": "True", "reason": "StepAndCheckpoints",
-             "message": "rank 0 publishes its step and checkpoints",
-             "lastTransitionTime": to_rfc3339(at(since))}
-        )  # fmt: skip
+            {
+                "type": "MetricsAvailable",
+                "status": "True",
+                "reason": "StepAndCheckpoints",
+                "message": "rank 0 publishes its step and checkpoints",
+                "lastTransitionTime": to_rfc3339(at(since)),
+            }
+        )
     return status
 
 
@@ -156,15 +165,26 @@ def two_nodes() -> list[dict[str, Any]]:
     return [make_node("n1"), make_node("n2")]
 
 
-def observed(job: dict[str, Any], pods: list[dict[str, Any]], nodes: list[dict[str, Any]], now: float = 100.0,
-             **kw: Any) -> Observed:  # fmt: skip
+def observed(
+    job: dict[str, Any],
+    pods: list[dict[str, Any]],
+    nodes: list[dict[str, Any]],
+    now: float = 100.0,
+    **kw: Any,
+) -> Observed:
     """The observation of these objects at `now` (node_pods: the job's own pods unless given)."""
     node_pods = kw.pop("node_pods", pods)
     return Observed(job=job, pods=pods, nodes=nodes, now=at(now), node_pods=node_pods, **kw)
 
 
-def run(job: dict[str, Any], pods: list[dict[str, Any]], nodes: list[dict[str, Any]], now: float = 100.0,
-        settings: ReconcilerSettings | None = None, **kw: Any) -> list[Action]:  # fmt: skip
+def run(
+    job: dict[str, Any],
+    pods: list[dict[str, Any]],
+    nodes: list[dict[str, Any]],
+    now: float = 100.0,
+    settings: ReconcilerSettings | None = None,
+    **kw: Any,
+) -> list[Action]:
     """One reconcile of this observation, with the default settings unless given."""
     return reconcile(observed(job, pods, nodes, now, **kw), settings or ReconcilerSettings())
 

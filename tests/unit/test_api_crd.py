@@ -105,8 +105,12 @@ def test_cel_rules_and_subresources() -> None:
     version = crd.crd()["spec"]["versions"][0]
     validations = version["schema"]["openAPIV3Schema"]["properties"]["spec"]["x-kubernetes-validations"]
     assert len(validations) == len(rules.RULES) + len(rules.TRANSITION_RULES)
-    assert {"rule": "self.masterPort == oldSelf.masterPort", "message": "masterPort is immutable",
-            "fieldPath": ".masterPort", "reason": "FieldValueInvalid"} in validations  # fmt: skip
+    assert {
+        "rule": "self.masterPort == oldSelf.masterPort",
+        "message": "masterPort is immutable",
+        "fieldPath": ".masterPort",
+        "reason": "FieldValueInvalid",
+    } in validations
     for v in validations:
         assert v["fieldPath"].startswith(".") and v["message"]
     assert version["subresources"] == {

@@ -19,8 +19,17 @@ def test_a_gang_resumed_from_an_older_checkpoint_redid_the_steps_since() -> None
 
 def test_each_gang_in_the_window_counts_a_peer_that_shrinks_then_grows_back() -> None:
     # on at 1 worker from checkpoint 40 (2 redone), then back at 2 from checkpoint 45 (1 redone)
-    records = _log((9, 42, 2), (20, 41, 1), (21, 42, 1), (22, 43, 1), (23, 44, 1), (24, 45, 1),
-                   (25, 46, 1), (40, 46, 2), (41, 47, 2))  # fmt: skip
+    records = _log(
+        (9, 42, 2),
+        (20, 41, 1),
+        (21, 42, 1),
+        (22, 43, 1),
+        (23, 44, 1),
+        (24, 45, 1),
+        (25, 46, 1),
+        (40, 46, 2),
+        (41, 47, 2),
+    )
     assert steps_accounting(records, 10, 50) == {"repeated": 3, "lost": 0}
 
 

@@ -65,9 +65,17 @@ def test_default_install_is_cluster_wide() -> None:
     docs = render()
     kinds = sorted(d["kind"] for d in docs)
     assert kinds == sorted(
-        ["ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Service", "Deployment", "ClusterKopfPeering",
-         "Role", "RoleBinding"]
-    )  # fmt: skip
+        [
+            "ServiceAccount",
+            "ClusterRole",
+            "ClusterRoleBinding",
+            "Service",
+            "Deployment",
+            "ClusterKopfPeering",
+            "Role",
+            "RoleBinding",
+        ]
+    )
     args = operator_container(docs)["args"]
     assert "--all-namespaces" in args
     assert not [a for a in args if a.startswith("--namespace")]
@@ -185,8 +193,12 @@ def test_deployment_is_one_hardened_recreated_replica() -> None:
     assert f"--metrics-port={ports['metrics']}" in container["args"]
 
 
-TUNED = ["--set", "operator.verbose=true,peering.priority=7,operator.maxWorkers=4", "--set-json",
-         "operator.interval=2.5"]  # fmt: skip
+TUNED = [
+    "--set",
+    "operator.verbose=true,peering.priority=7,operator.maxWorkers=4",
+    "--set-json",
+    "operator.interval=2.5",
+]
 
 
 @pytest.mark.parametrize("values", [[], NAMESPACED, TUNED], ids=["all-namespaces", "namespaced", "tuned"])

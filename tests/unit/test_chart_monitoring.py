@@ -14,8 +14,11 @@ from dtjob.trainer.metrics import TrainerMetrics
 from tests.unit.test_chart import CHART, NAMESPACED, render
 
 DASHBOARD = CHART / "dashboards" / "dtjob.json"
-SUFFIXES = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count", "_created"),
-            "gauge": ("",)}  # fmt: skip
+SUFFIXES = {
+    "counter": ("_total", "_created"),
+    "histogram": ("_bucket", "_sum", "_count", "_created"),
+    "gauge": ("",),
+}
 
 
 def exported(registry: CollectorRegistry) -> set[str]:

@@ -54,8 +54,13 @@ def test_a_simulated_node_offers_its_shape_and_only_tolerating_pods_may_use_it()
     }
     assert node["status"]["addresses"][0] == {"type": "InternalIP", "address": BRIDGE_ADDRESS}
     plain = {"spec": {"containers": [{"name": "trainer"}]}}
-    simulated = {"spec": {"containers": [{"name": "trainer"}], "tolerations": [kwok.TOLERATION],
-                          "nodeSelector": dict(kwok.NODE_SELECTOR)}}  # fmt: skip
+    simulated = {
+        "spec": {
+            "containers": [{"name": "trainer"}],
+            "tolerations": [kwok.TOLERATION],
+            "nodeSelector": dict(kwok.NODE_SELECTOR),
+        }
+    }
     assert not node_admits(plain, node), "the taint keeps the real nodes' pods off"
     assert node_admits(simulated, node)
 
@@ -78,9 +83,13 @@ def test_the_scheduler_and_controller_manager_may_bind_a_large_gang_quickly(tmp_
 def test_up_with_fake_nodes_without_go_and_without_kwok_says_what_to_install(tmp_path: Path) -> None:
     python_only = str(Path(sys.executable).parent) + ":/usr/sbin:/usr/bin:/bin"
     result = _devcluster(
-        "up", "--fake-nodes", "4", DTJOB_CACHE=str(tmp_path / "cache"),
-        DTJOB_DEVCLUSTER_DIR=str(tmp_path / "dc"), PATH=python_only,
-    )  # fmt: skip
+        "up",
+        "--fake-nodes",
+        "4",
+        DTJOB_CACHE=str(tmp_path / "cache"),
+        DTJOB_DEVCLUSTER_DIR=str(tmp_path / "dc"),
+        PATH=python_only,
+    )
     assert result.returncode == 1
     [line] = result.stderr.strip().splitlines()
     assert "KWOK v0.8.0 is not cached" in line and "install Go" in line

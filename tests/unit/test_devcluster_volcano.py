@@ -54,8 +54,12 @@ def test_rbac_binds_each_user_to_no_more_than_it_calls() -> None:
         assert "*" not in rule["verbs"] + rule["resources"] + rule["apiGroups"]
         assert not {"secrets", "configmaps", "customresourcedefinitions"} & set(rule["resources"])
     writes = {"create", "update", "patch", "delete"}
-    core_writes = {r for rule in rules if rule["apiGroups"] == [""] and writes & set(rule["verbs"])
-                   for r in rule["resources"]}  # fmt: skip
+    core_writes = {
+        r
+        for rule in rules
+        if rule["apiGroups"] == [""] and writes & set(rule["verbs"])
+        for r in rule["resources"]
+    }
     assert core_writes == {"events", "pods", "pods/binding", "pods/status"}
     assert not [rule for rule in rules if "pods" in rule["resources"] and "create" in rule["verbs"]]
 

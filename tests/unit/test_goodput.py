@@ -51,8 +51,13 @@ def test_a_rewind_in_place_counts_the_redone_steps_of_every_interval_once() -> N
 
 
 def test_a_step_going_back_in_the_same_gang_is_a_rewind_too() -> None:
-    ledger = fold(0.0, Sample(10, 10, "0"), Sample(20, 20, "0"), Sample(30, 12, "0", resume_step=10),
-                  Sample(40, 22, "0", resume_step=10))  # fmt: skip
+    ledger = fold(
+        0.0,
+        Sample(10, 10, "0"),
+        Sample(20, 20, "0"),
+        Sample(30, 12, "0", resume_step=10),
+        Sample(40, 22, "0", resume_step=10),
+    )
     assert ledger.steps_redone == 10, "steps 11..20"
     assert ledger.kept_seconds == pytest.approx(10 + 10 * 2 / 10)
 
@@ -75,8 +80,13 @@ def test_eta_follows_the_recent_rate_and_needs_the_total() -> None:
 def test_a_failure_during_a_rescale_keeps_the_steps_its_checkpoint_saved() -> None:
     # A planned rescale checkpoints at the highest step (30): the new gang fails before it steps,
     # the next one resumes from 30 as well: nothing is redone.
-    ledger = fold(0.0, Sample(10, 10, "0"), Sample(30, 30, "0"), Sample(60, 32, "2", resume_step=30),
-                  Sample(70, 42, "2", resume_step=30))  # fmt: skip
+    ledger = fold(
+        0.0,
+        Sample(10, 10, "0"),
+        Sample(30, 30, "0"),
+        Sample(60, 32, "2", resume_step=30),
+        Sample(70, 42, "2", resume_step=30),
+    )
     assert ledger.steps_redone == 0
     assert ledger.kept_seconds == pytest.approx(30.0)
     assert ratio(ledger, now=100) == pytest.approx(0.3)
@@ -91,13 +101,27 @@ def at(seconds: float) -> datetime:
 
 def test_overlapping_faults_never_count_a_second_twice() -> None:
     records, closed = recoveries.open_recovery(
-        [], cause="Signal", reason="WorkerFailed", detected_at=at(100), detection_seconds=2,
-        steps_redone=4, size_before=4, size_after=4)  # fmt: skip
+        [],
+        cause="Signal",
+        reason="WorkerFailed",
+        detected_at=at(100),
+        detection_seconds=2,
+        steps_redone=4,
+        size_before=4,
+        size_after=4,
+    )
     assert closed is None and recoveries.is_open(records[-1])
     # a node is lost (at 106, seen at 110) while the new gang starts: the first ends at 106
     records, closed = recoveries.open_recovery(
-        records, cause="NodeLost", reason="NodeLost", detected_at=at(110), detection_seconds=4,
-        steps_redone=0, size_before=4, size_after=3)  # fmt: skip
+        records,
+        cause="NodeLost",
+        reason="NodeLost",
+        detected_at=at(110),
+        detection_seconds=4,
+        steps_redone=0,
+        size_before=4,
+        size_after=3,
+    )
     assert closed is not None and closed["downtimeSeconds"] == 8
     records, closed = recoveries.close(records, at(130))
     assert closed is not None and closed["downtimeSeconds"] == 24
@@ -110,16 +134,37 @@ def test_overlapping_faults_never_count_a_second_twice() -> None:
 
 def test_a_failure_during_a_planned_rescale_and_the_bound_on_records() -> None:
     records, _ = recoveries.open_recovery(
-        [], cause="PlannedRescale", reason="ScaleUp", detected_at=at(200), detection_seconds=0,
-        steps_redone=0, size_before=2, size_after=4)  # fmt: skip
+        [],
+        cause="PlannedRescale",
+        reason="ScaleUp",
+        detected_at=at(200),
+        detection_seconds=0,
+        steps_redone=0,
+        size_before=2,
+        size_after=4,
+    )
     records, closed = recoveries.open_recovery(
-        records, cause="ExitCode", reason="WorkerFailed", detected_at=at(205), detection_seconds=1,
-        steps_redone=0, size_before=4, size_after=4)  # fmt: skip
+        records,
+        cause="ExitCode",
+        reason="WorkerFailed",
+        detected_at=at(205),
+        detection_seconds=1,
+        steps_redone=0,
+        size_before=4,
+        size_after=4,
+    )
     assert closed is not None and (closed["cause"], closed["downtimeSeconds"]) == ("PlannedRescale", 4)
     for i in range(20):
         records, _ = recoveries.open_recovery(
-            records, cause="Hang", reason="PeerLost", detected_at=at(300 + i), detection_seconds=0,
-            steps_redone=0, size_before=4, size_after=4)  # fmt: skip
+            records,
+            cause="Hang",
+            reason="PeerLost",
+            detected_at=at(300 + i),
+            detection_seconds=0,
+            steps_redone=0,
+            size_before=4,
+            size_after=4,
+        )
     assert len(records) == recoveries.KEPT
     assert records[-1]["detectedAt"] == "2026-01-01T00:05:19Z"
 
@@ -131,5 +176,8 @@ def test_causes_are_a_bounded_set() -> None:
     assert recoveries.cause_of("ScaleDown") == "PlannedRescale"
     assert recoveries.cause_of("Preempted") == "Preemption"
     assert recoveries.exit_code_in("rank 1 (pod 1) exited 137 (SIGKILL)") == 137
-    assert {recoveries.cause_of(r, c) for r in ("NodeLost", "PeerLost", "WorkerDeleted", "X")
-            for c in (None, 1, 143)} <= set(recoveries.CAUSES)  # fmt: skip
+    assert {
+        recoveries.cause_of(r, c)
+        for r in ("NodeLost", "PeerLost", "WorkerDeleted", "X")
+        for c in (None, 1, 143)
+    } <= set(recoveries.CAUSES)

@@ -87,10 +87,14 @@ def test_preload_is_torch_and_dynamo_unless_the_environment_names_others() -> No
 
 def test_agent_settings_come_from_the_operators_environment() -> None:
     env = {
-        contract.ENV_LOCAL_WORLD_SIZE: "4", contract.ENV_POD_RANK: "2", contract.ENV_PODS: "3",
-        contract.ENV_MASTER_ADDR: "job-worker-0.job.ns.svc", contract.ENV_AGENT_PORT: "29501",
-        contract.ENV_RESTARTS_LEFT: "2", contract.ENV_PERMANENT_EXIT_CODES: "2,126,127",
-    }  # fmt: skip
+        contract.ENV_LOCAL_WORLD_SIZE: "4",
+        contract.ENV_POD_RANK: "2",
+        contract.ENV_PODS: "3",
+        contract.ENV_MASTER_ADDR: "job-worker-0.job.ns.svc",
+        contract.ENV_AGENT_PORT: "29501",
+        contract.ENV_RESTARTS_LEFT: "2",
+        contract.ENV_PERMANENT_EXIT_CODES: "2,126,127",
+    }
     s = AgentSettings.from_env(env)
     assert (s.nproc, s.pod, s.pods, s.agent_port, s.restarts_left) == (4, 2, 3, 29501, 2)
     assert s.permanent_codes == {2, 126, 127}

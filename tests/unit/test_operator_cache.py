@@ -149,9 +149,14 @@ def test_pod_changes_trigger_their_job_and_a_lost_node_the_jobs_on_it() -> None:
     cache = ClusterCache(None, ("ns",))  # type: ignore[arg-type]
     fired: list[tuple[str, str]] = []
     cache.trigger = lambda ns, name, urgent=False: fired.append((ns, name))
-    pods = Informer(None, "pods", "/api/v1/pods", trim=trim_pod,  # type: ignore[arg-type]
-                    indexes={"job": lambda p: _job(p), "node": lambda p: [p["spec"].get("nodeName")]},
-                    on_change=cache._pod_changed)  # fmt: skip
+    pods = Informer(
+        None,
+        "pods",
+        "/api/v1/pods",
+        trim=trim_pod,  # type: ignore[arg-type]
+        indexes={"job": lambda p: _job(p), "node": lambda p: [p["spec"].get("nodeName")]},
+        on_change=cache._pod_changed,
+    )
     cache.pods = [pods]
     pods._replace([pod("gpt-worker-0", 1, node="n1"), pod("bert-worker-0", 2, job="bert", node="n2")], 2)
     pods._apply("MODIFIED", pod("gpt-worker-0", 3, node="n1", phase="Running"))
@@ -187,8 +192,14 @@ def test_a_worker_failing_and_the_last_pod_of_its_generation_gone_are_urgent_tri
     cache = ClusterCache(None, ("ns",))  # type: ignore[arg-type]
     fired: list[tuple[str, bool]] = []
     cache.trigger = lambda ns, name, urgent=False: fired.append((name, urgent))
-    pods = Informer(None, "pods", "/api/v1/pods", trim=trim_pod,  # type: ignore[arg-type]
-                    indexes={"job": _job}, on_change=cache._pod_changed)  # fmt: skip
+    pods = Informer(
+        None,
+        "pods",
+        "/api/v1/pods",
+        trim=trim_pod,  # type: ignore[arg-type]
+        indexes={"job": _job},
+        on_change=cache._pod_changed,
+    )
     cache.pods = [pods]
     pods._replace([pod(f"gpt-worker-{r}", 1 + r, phase="Running") for r in range(2)], 2)
     pods._apply("MODIFIED", pod("gpt-worker-0", 3, phase="Failed"))
@@ -210,8 +221,14 @@ def test_a_new_pod_whose_creation_is_in_flight_triggers_nothing() -> None:
     cache.trigger = lambda ns, name, urgent=False: fired.append(name)
     expectations = Expectations()
     cache.creating = lambda ns, job, name: expectations.creating((ns, job), name)
-    pods = Informer(None, "pods", "/api/v1/pods", trim=trim_pod,  # type: ignore[arg-type]
-                    indexes={"job": _job}, on_change=cache._pod_changed)  # fmt: skip
+    pods = Informer(
+        None,
+        "pods",
+        "/api/v1/pods",
+        trim=trim_pod,  # type: ignore[arg-type]
+        indexes={"job": _job},
+        on_change=cache._pod_changed,
+    )
     cache.pods = [pods]
     manifest = {"metadata": {"name": "gpt-worker-0"}}
     (created,) = expectations.expect(("ns", "gpt"), [CreatePod(manifest)])
@@ -241,8 +258,9 @@ def test_requests_are_counted_by_kubernetes_verb_and_resource() -> None:
     assert request_kind("GET", f"{base}/api/v1/nodes") == ("list", "nodes")
     assert request_kind("POST", f"{base}/api/v1/namespaces/ns/pods") == ("create", "pods")
     assert request_kind("DELETE", f"{base}/api/v1/namespaces/ns/pods/p-0?gracePeriodSeconds=0") == (
-        "delete", "pods",
-    )  # fmt: skip
+        "delete",
+        "pods",
+    )
     assert request_kind("GET", f"{base}/api/v1/namespaces/ns/pods/p-0/log") == ("get", "pods/log")
     job = f"{base}/apis/training.dtjob.io/v1alpha1/namespaces/ns/distributedtrainingjobs/j"
     assert request_kind("GET", job) == ("get", "distributedtrainingjobs")

@@ -105,8 +105,10 @@ def test_a_new_rank_0_starts_with_nothing() -> None:
 
 
 def test_once_asked_a_rank_0_is_scraped_on_its_own_until_the_job_is_forgotten() -> None:
-    answers = iter([TrainerProgress(step=1), TrainerProgress(step=1), OSError("refused")] + [
-        TrainerProgress(step=n) for n in range(2, 100)])  # fmt: skip
+    answers = iter(
+        [TrainerProgress(step=1), TrainerProgress(step=1), OSError("refused")]
+        + [TrainerProgress(step=n) for n in range(2, 100)]
+    )
     fired: list[tuple[str, str]] = []
     asked = threading.Semaphore(0)
 

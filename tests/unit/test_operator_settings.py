@@ -25,10 +25,13 @@ def test_every_field_has_a_docstring(cls: type) -> None:
     documented = {
         stmt.target.id
         for stmt, after in itertools.pairwise(body)
-        if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
-        and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
-        and isinstance(after.value.value, str) and after.value.value.strip()
-    }  # fmt: skip
+        if isinstance(stmt, ast.AnnAssign)
+        and isinstance(stmt.target, ast.Name)
+        and isinstance(after, ast.Expr)
+        and isinstance(after.value, ast.Constant)
+        and isinstance(after.value.value, str)
+        and after.value.value.strip()
+    }
     assert {f.name for f in dataclasses.fields(cls)} == documented
 
 
@@ -37,12 +40,14 @@ def test_no_flags_and_no_environment_give_the_default_settings() -> None:
 
 
 def test_each_tuning_flag_sets_its_field() -> None:
+    # fmt: off
     argv = ["-n", "a", "-n", "b", "--standalone", "--liveness", "none", "--max-workers", "3",
             "--grow-hold-seconds", "7", "--unplanned-stop-grace-seconds", "2", "--metrics-grace-seconds", "9",
             "--node-view-lag-seconds", "4", "--cache-sync-timeout-seconds", "12", "--api-concurrency", "8",
             "--metrics-timeout-seconds", "0.25", "--scrape-workers", "4", "--scrape-interval-seconds", "2",
             "--scrape-backoff-max-seconds", "16", "--log-tail-lines", "40", "--log-reads-per-pass", "3",
-            "--retry-backoff-seconds", "0.5", "--retry-backoff-max-seconds", "8"]  # fmt: skip
+            "--retry-backoff-seconds", "0.5", "--retry-backoff-max-seconds", "8"]
+    # fmt: on
     built = build_settings(parse_args(argv), {ENV_SERVICE_ACCOUNT: "workers"})
     assert built == OperatorSettings(
         namespaces=("a", "b"),

@@ -217,8 +217,12 @@ def test_no_pod_write_is_sent_before_the_status_patch_is_answered_and_none_after
     writer = recorder.writer()
     recorder.head_gate.clear()
     out = Outcomes()
-    actions: list[Action] = [PatchStatus({"phase": "Restarting"}), EmitEvent("Normal", "Restart", ""),
-                             CountRestart("WorkerFailed"), CreatePod(pod_manifest(0))]  # fmt: skip
+    actions: list[Action] = [
+        PatchStatus({"phase": "Restarting"}),
+        EmitEvent("Normal", "Restart", ""),
+        CountRestart("WorkerFailed"),
+        CreatePod(pod_manifest(0)),
+    ]
     held = writer.submit(make_job(), actions, out.on_head, out.on_done)
     assert held is not None and not held.done(), "the next pass waits for the status patch"
     time.sleep(0.2)
@@ -236,8 +240,9 @@ def test_no_pod_write_is_sent_before_the_status_patch_is_answered_and_none_after
 
     refused = Recorder()
     out = Outcomes()
-    held = refused.writer().submit(make_job(), [PatchStatus({"refused": True}), *actions[1:]], out.on_head,
-                                   out.on_done)  # fmt: skip
+    held = refused.writer().submit(
+        make_job(), [PatchStatus({"refused": True}), *actions[1:]], out.on_head, out.on_done
+    )
     assert held is not None
     held.result(timeout=5)
     assert len(out.head) == 1 and isinstance(out.head[0], JobChanged)
@@ -282,16 +287,24 @@ def test_the_writes_of_one_pod_go_out_one_after_the_other() -> None:
     writer = recorder.writer()
     first, second = Outcomes(), Outcomes()
     writer.submit(make_job(), [CreatePod(pod_manifest(0))], first.on_head, first.on_done)
-    writer.submit(make_job(), [DeletePod("gpt-worker-0", "x"), CreatePod(pod_manifest(1))], second.on_head,
-                  second.on_done)  # fmt: skip
+    writer.submit(
+        make_job(),
+        [DeletePod("gpt-worker-0", "x"), CreatePod(pod_manifest(1))],
+        second.on_head,
+        second.on_done,
+    )
     time.sleep(0.3)
     assert "DeletePod gpt-worker-0 sent" not in recorder.log, "sent while its creation was in flight"
     assert "CreatePod gpt-worker-1 answered" in recorder.log, "other pods' writes do not wait"
     recorder.gates["gpt-worker-0"].set()
     assert first.finished.wait(5) and second.finished.wait(5)
     order = [line for line in recorder.log if "worker-0" in line]
-    assert order == ["CreatePod gpt-worker-0 sent", "CreatePod gpt-worker-0 answered",
-                     "DeletePod gpt-worker-0 sent", "DeletePod gpt-worker-0 answered"]  # fmt: skip
+    assert order == [
+        "CreatePod gpt-worker-0 sent",
+        "CreatePod gpt-worker-0 answered",
+        "DeletePod gpt-worker-0 sent",
+        "DeletePod gpt-worker-0 answered",
+    ]
 
 
 def test_a_job_waiting_for_its_writes_to_drain_is_called_when_at_most_that_many_are_in_flight() -> None:
@@ -444,8 +457,12 @@ def test_a_job_changed_only_in_metadata_the_reconciler_never_reads_decides_the_s
     read = make_job(status=running_status(4))
     read["metadata"]["resourceVersion"] = "10"
     kopf = copy.deepcopy(read)
-    kopf["metadata"].update(resourceVersion="11", finalizers=["training.dtjob.io/operator"],
-                            annotations={"kopf": "x"}, managedFields=[{"manager": "kopf"}])  # fmt: skip
+    kopf["metadata"].update(
+        resourceVersion="11",
+        finalizers=["training.dtjob.io/operator"],
+        annotations={"kopf": "x"},
+        managedFields=[{"manager": "kopf"}],
+    )
     assert same_but_bookkeeping(read, kopf)
     scaled = copy.deepcopy(kopf)
     scaled["spec"]["replicas"] = 2

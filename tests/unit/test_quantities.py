@@ -38,8 +38,10 @@ def test_the_volcano_example_with_an_integer_gpu_count_makes_a_pod_the_client_ac
     pod = pod_of(job)
     CLIENT_POD.validate_python(pod)
     resources = pod["spec"]["containers"][0]["resources"]
-    assert resources == {"requests": {"cpu": "1", "memory": "1Gi", "nvidia.com/gpu": "1"},
-                         "limits": {"nvidia.com/gpu": "1"}}  # fmt: skip
+    assert resources == {
+        "requests": {"cpu": "1", "memory": "1Gi", "nvidia.com/gpu": "1"},
+        "limits": {"nvidia.com/gpu": "1"},
+    }
 
 
 def test_numbers_in_every_quantity_field_of_a_pod_become_strings() -> None:
@@ -48,23 +50,45 @@ def test_numbers_in_every_quantity_field_of_a_pod_become_strings() -> None:
     spec = job["spec"]["template"]["spec"]
     trainer = spec["containers"][0]
     trainer["resources"]["limits"] = {"cpu": 2, "memory": "4Gi", "nvidia.com/gpu": 1}
-    trainer["env"].append({"name": "CPUS", "valueFrom": {"resourceFieldRef": {"resource": "limits.cpu",
-                                                                               "divisor": 1}}})  # fmt: skip
+    trainer["env"].append(
+        {"name": "CPUS", "valueFrom": {"resourceFieldRef": {"resource": "limits.cpu", "divisor": 1}}}
+    )
     spec["initContainers"] = [{"name": "fetch", "image": "busybox", "resources": {"requests": {"cpu": 0.5}}}]
     spec["resources"] = {"limits": {"cpu": 4, "memory": "8Gi"}}
     spec["overhead"] = {"cpu": 0.25}
     spec["volumes"] = [
         {"name": "scratch", "emptyDir": {"medium": "Memory", "sizeLimit": 512}},
-        {"name": "claim", "ephemeral": {"volumeClaimTemplate": {"spec": {
-            "accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": 10}}}}}},
-        {"name": "info", "downwardAPI": {"items": [{"path": "cpu", "resourceFieldRef": {
-            "containerName": "trainer", "resource": "requests.cpu", "divisor": 1}}]}},
-    ]  # fmt: skip
+        {
+            "name": "claim",
+            "ephemeral": {
+                "volumeClaimTemplate": {
+                    "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": 10}}}
+                }
+            },
+        },
+        {
+            "name": "info",
+            "downwardAPI": {
+                "items": [
+                    {
+                        "path": "cpu",
+                        "resourceFieldRef": {
+                            "containerName": "trainer",
+                            "resource": "requests.cpu",
+                            "divisor": 1,
+                        },
+                    }
+                ]
+            },
+        },
+    ]
     pod = pod_of(job)
     CLIENT_POD.validate_python(pod)
     out = pod["spec"]
     assert out["containers"][0]["resources"] == {
-        "requests": {"cpu": "2"}, "limits": {"cpu": "2", "memory": "4Gi", "nvidia.com/gpu": "1"}}  # fmt: skip
+        "requests": {"cpu": "2"},
+        "limits": {"cpu": "2", "memory": "4Gi", "nvidia.com/gpu": "1"},
+    }
     divisor = next(e for e in out["containers"][0]["env"] if e["name"] == "CPUS")["valueFrom"]
     assert divisor["resourceFieldRef"]["divisor"] == "1"
     assert out["initContainers"][0]["resources"]["requests"]["cpu"] == "0.5"
@@ -80,14 +104,24 @@ def test_numbers_in_every_quantity_field_of_a_pod_become_strings() -> None:
 def test_integers_elsewhere_stay_integers() -> None:
     spec: dict[str, Any] = {
         "terminationGracePeriodSeconds": 30,
-        "containers": [{"name": "t", "ports": [{"containerPort": 9400}],
-                        "livenessProbe": {"httpGet": {"port": 8080}, "periodSeconds": 5}}],
-    }  # fmt: skip
+        "containers": [
+            {
+                "name": "t",
+                "ports": [{"containerPort": 9400}],
+                "livenessProbe": {"httpGet": {"port": 8080}, "periodSeconds": 5},
+            }
+        ],
+    }
     assert stringify_quantities(spec) == {
         "terminationGracePeriodSeconds": 30,
-        "containers": [{"name": "t", "ports": [{"containerPort": 9400}],
-                        "livenessProbe": {"httpGet": {"port": 8080}, "periodSeconds": 5}}],
-    }  # fmt: skip
+        "containers": [
+            {
+                "name": "t",
+                "ports": [{"containerPort": 9400}],
+                "livenessProbe": {"httpGet": {"port": 8080}, "periodSeconds": 5},
+            }
+        ],
+    }
 
 
 def test_capacity_and_the_podgroup_compute_with_numbers_as_with_strings() -> None:
@@ -104,9 +138,17 @@ def test_capacity_and_the_podgroup_compute_with_numbers_as_with_strings() -> Non
 
 @pytest.mark.parametrize(
     ("value", "expected"),
-    [(1, Decimal(1)), (0.5, Decimal("0.5")), ("500m", Decimal("0.5")), ("1Gi", Decimal(2**30)),
-     ("1e3", Decimal(1000)), ("1E", Decimal(10**18)), ("+2", Decimal(2)), (".5", Decimal("0.5"))],
-)  # fmt: skip
+    [
+        (1, Decimal(1)),
+        (0.5, Decimal("0.5")),
+        ("500m", Decimal("0.5")),
+        ("1Gi", Decimal(2**30)),
+        ("1e3", Decimal(1000)),
+        ("1E", Decimal(10**18)),
+        ("+2", Decimal(2)),
+        (".5", Decimal("0.5")),
+    ],
+)
 def test_every_form_parses(value: object, expected: Decimal) -> None:
     assert parse_quantity(value) == expected
 
@@ -120,8 +162,9 @@ def test_a_bad_quantity_names_the_value(value: object) -> None:
 @given(st.integers(min_value=0, max_value=10**15) | st.floats(min_value=0, max_value=1e9, allow_nan=False))
 def test_a_number_and_its_quantity_string_are_the_same_quantity(value: int | float) -> None:
     text = quantity_string(value)
-    assert isinstance(text, str) and parse_quantity(text) == Decimal(repr(value) if isinstance(value, float)
-                                                                      else value)  # fmt: skip
+    assert isinstance(text, str) and parse_quantity(text) == Decimal(
+        repr(value) if isinstance(value, float) else value
+    )
 
 
 @given(st.integers(min_value=0, max_value=10**6))

@@ -105,8 +105,15 @@ def test_no_growth_without_capacity_or_right_after_a_rescale_or_before_a_checkpo
         "waiting for generation 1's first checkpoint before growing from 2 to 4 workers"
     )
     # each wait is written once: the same observation again asks for nothing
-    assert run(applied(job, run(job, gang(2, generation=1), two_nodes(), now=100)), gang(2, generation=1),
-               two_nodes(), now=100) == []  # fmt: skip
+    assert (
+        run(
+            applied(job, run(job, gang(2, generation=1), two_nodes(), now=100)),
+            gang(2, generation=1),
+            two_nodes(),
+            now=100,
+        )
+        == []
+    )
 
 
 def test_kubectl_scale_down_is_a_planned_rescale() -> None:
@@ -127,8 +134,15 @@ def test_kubectl_scale_up_grows_within_max_replicas() -> None:
 
 def test_planned_rescale_is_no_recovery() -> None:
     status = {**running_status(size=2, generation=1), "phase": "Restarting"}
-    status["conditions"] = [{"type": "Restarting", "status": "True", "reason": "ScaleDown", "message": "",
-                             "lastTransitionTime": "2026-01-01T12:00:00Z"}]  # fmt: skip
+    status["conditions"] = [
+        {
+            "type": "Restarting",
+            "status": "True",
+            "reason": "ScaleDown",
+            "message": "",
+            "lastTransitionTime": "2026-01-01T12:00:00Z",
+        }
+    ]
     actions = run(make_job(replicas=2, status=status), gang(2, generation=1), two_nodes())
     assert status_patch(actions)["phase"] == "Running"
     assert not any(isinstance(a, ObserveRecovery) for a in actions)

@@ -68,9 +68,14 @@ def test_new_generation_is_created_once_the_old_pods_are_gone() -> None:
 def test_recovery_time_is_observed_when_the_restarted_gang_runs() -> None:
     job = make_job(status={**running_status(generation=1, restarts=1), "phase": "Restarting"})
     job["status"]["conditions"] = [
-        {"type": "Restarting", "status": "True", "reason": "WorkerFailed", "message": "",
-         "lastTransitionTime": "2026-01-01T12:01:00Z"},
-    ]  # fmt: skip
+        {
+            "type": "Restarting",
+            "status": "True",
+            "reason": "WorkerFailed",
+            "message": "",
+            "lastTransitionTime": "2026-01-01T12:01:00Z",
+        },
+    ]
     actions = run(job, gang(4, generation=1), two_nodes(), now=75)
     assert status_patch(actions)["phase"] == "Running"
     assert ObserveRecovery(15.0) in actions
@@ -179,9 +184,11 @@ def test_a_deletion_its_kubelet_leaves_unfinished_is_forced_and_the_next_gang_av
     never finish, and the scheduler would place the next gang there again."""
     status = {**running_status(generation=1, restarts=1), "phase": "Restarting"}
     job = make_job(status=status)
-    old = [make_pod(0, 0, node="n1", deleting=True, grace_ends=95.0),
-           make_pod(1, 0, node="n2", deleting=True, grace_ends=96.0),
-           make_pod(2, 0, node="n1", deleting=True, grace_ends=94.0)]  # fmt: skip
+    old = [
+        make_pod(0, 0, node="n1", deleting=True, grace_ends=95.0),
+        make_pod(1, 0, node="n2", deleting=True, grace_ends=96.0),
+        make_pod(2, 0, node="n1", deleting=True, grace_ends=94.0),
+    ]
     assert SILENT_KUBELET_SECONDS == 5
     within = run(job, old[:2], two_nodes(), now=99.5)  # 4.5 s past n1's grace: not yet
     assert deletes(within) == [] and creates(within) == []
@@ -212,16 +219,21 @@ def test_a_deletion_its_kubelet_leaves_unfinished_is_forced_and_the_next_gang_av
     back["status"]["conditions"][0]["lastTransitionTime"] = "2026-01-01T12:01:50Z"  # after `since`
     renewed = {"n1": "2026-01-01T12:01:37.100000Z"}  # any other renewTime: the node's clock may be off
     down = [make_node("n1", ready=False), make_node("n2")]
-    cases = [(two_nodes(), 221.0, {}), (down, 101.0, {}), ([back, make_node("n2")], 111.0, {}),
-             (two_nodes(), 101.0, renewed)]  # fmt: skip
+    cases = [
+        (two_nodes(), 221.0, {}),
+        (down, 101.0, {}),
+        ([back, make_node("n2")], 111.0, {}),
+        (two_nodes(), 101.0, renewed),
+    ]
     for nodes, now, leases in cases:
         later = run(job, [], nodes, now=now, leases=leases)
         assert status_patch(later).get("silentNodes") == []
         assert all("affinity" not in c.manifest["spec"] for c in creates(later))
     # Without a Lease read at the time (none, or not readable), only the other three count.
     unread = {**status, "silentNodes": [{"name": "n1", "since": "2026-01-01T12:01:40Z"}]}
-    decided = plan(observed(make_job(status=unread), [], two_nodes(), now=101.0, leases=renewed),
-                   ReconcilerSettings())  # fmt: skip
+    decided = plan(
+        observed(make_job(status=unread), [], two_nodes(), now=101.0, leases=renewed), ReconcilerSettings()
+    )
     assert len(creates(decided.actions)) == 2 and not decided.poll
 
 

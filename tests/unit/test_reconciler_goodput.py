@@ -39,13 +39,26 @@ def accounted_job(**kw: Any) -> dict[str, Any]:
 def trainer(
     step: int, checkpoint: int, in_place: int | None = None, cause: str | None = None
 ) -> TrainerProgress:
-    return TrainerProgress(step=step, checkpoint_step=checkpoint or None, checkpoint_time=at(0).timestamp(),
-                           checkpoints_published=True, total_steps=100, tokens_per_second=2048.0, mfu=0.4125,
-                           in_place_restarts=in_place, restart_cause=cause)  # fmt: skip
+    return TrainerProgress(
+        step=step,
+        checkpoint_step=checkpoint or None,
+        checkpoint_time=at(0).timestamp(),
+        checkpoints_published=True,
+        total_steps=100,
+        tokens_per_second=2048.0,
+        mfu=0.4125,
+        in_place_restarts=in_place,
+        restart_cause=cause,
+    )
 
 
-def step(job: dict[str, Any], now: float, progress: TrainerProgress, pods: list[dict[str, Any]] | None = None,
-         metrics: OperatorMetrics | None = None) -> tuple[dict[str, Any], list[Action]]:  # fmt: skip
+def step(
+    job: dict[str, Any],
+    now: float,
+    progress: TrainerProgress,
+    pods: list[dict[str, Any]] | None = None,
+    metrics: OperatorMetrics | None = None,
+) -> tuple[dict[str, Any], list[Action]]:
     actions = run(job, gang(4) if pods is None else pods, two_nodes(), now=now, progress=progress)
     if metrics is not None:  # what the writer does with the actions and the written status
         for a in actions:
@@ -63,8 +76,12 @@ def test_a_sigkill_costs_its_downtime_and_the_steps_past_the_checkpoint() -> Non
     metrics = OperatorMetrics()
     job = accounted_job()
     job, _ = step(job, 10, trainer(5, 0), metrics=metrics)  # the first sample: its time is not known
-    assert job["status"]["progress"] == {"step": 5, "totalSteps": 100, "tokensPerSecond": 2048.0,
-                                         "modelFlopsUtilization": 0.4125}  # fmt: skip
+    assert job["status"]["progress"] == {
+        "step": 5,
+        "totalSteps": 100,
+        "tokensPerSecond": 2048.0,
+        "modelFlopsUtilization": 0.4125,
+    }
     assert "eta" not in job["status"] or job["status"]["eta"] is None, "no rate yet"
     job, _ = step(job, 20, trainer(15, 10), metrics=metrics)  # 10 s for steps 6..15: 1 step/s
     assert job["status"]["eta"] == to_rfc3339(at(20 + 85))
@@ -79,9 +96,16 @@ def test_a_sigkill_costs_its_downtime_and_the_steps_past_the_checkpoint() -> Non
     job, actions = step(job, 32, trainer(25, 20), pods=pods, metrics=metrics)
     assert job["status"]["generation"] == 1
     assert job["status"]["recoveries"] == [
-        {"cause": "Signal", "reason": "WorkerFailed", "detectedAt": to_rfc3339(at(32)),
-         "detectionSeconds": 1.0, "stepsRedone": 5, "worldSizeBefore": 4, "worldSizeAfter": 4}
-    ]  # fmt: skip
+        {
+            "cause": "Signal",
+            "reason": "WorkerFailed",
+            "detectedAt": to_rfc3339(at(32)),
+            "detectionSeconds": 1.0,
+            "stepsRedone": 5,
+            "worldSizeBefore": 4,
+            "worldSizeAfter": 4,
+        }
+    ]
     assert job["status"]["eta"] is None, "no ETA while no gang steps"
     assert JobRestarted("Signal", 5) in actions
     assert "GangRecovered" not in [e.reason for e in events(actions)]
@@ -98,9 +122,13 @@ def test_a_sigkill_costs_its_downtime_and_the_steps_past_the_checkpoint() -> Non
     recovery = job["status"]["recoveries"][-1]
     assert recovery["downtimeSeconds"] == 29.0, "from the SIGKILL at 31 to the step moving at 60"
     assert [(e.type, e.reason, e.message) for e in events(actions)] == [
-        ("Normal", "GangRecovered", "recovered from Signal (WorkerFailed): detected in 1s, down 29s, "
-                                "5 steps redone, world size 4 -> 4")
-    ]  # fmt: skip
+        (
+            "Normal",
+            "GangRecovered",
+            "recovered from Signal (WorkerFailed): detected in 1s, down 29s, "
+            "5 steps redone, world size 4 -> 4",
+        )
+    ]
     kept = job["status"]["goodput"]
     assert (kept["keptSeconds"], kept["stepsRedone"], kept["highestStep"]) == (25.0, 5, 30)
     assert kept["ratio"] == pytest.approx(25 / 60, abs=1e-4)
@@ -113,8 +141,13 @@ def test_a_sigkill_costs_its_downtime_and_the_steps_past_the_checkpoint() -> Non
     assert sample(metrics, "dtjob_job_model_flops_utilization") == 0.4125
 
     # the job ends at 70 after step 40: the last 10 steps are kept, the wall time is 70 s
-    done = run(job, gang(4, generation=1, phase="Succeeded", exit_code=0), two_nodes(), now=70,
-               progress=trainer(40, 40))  # fmt: skip
+    done = run(
+        job,
+        gang(4, generation=1, phase="Succeeded", exit_code=0),
+        two_nodes(),
+        now=70,
+        progress=trainer(40, 40),
+    )
     final = status_patch(done)["goodput"]
     assert final["ratio"] == pytest.approx(35 / 70, abs=1e-4)
 
@@ -146,13 +179,20 @@ def test_a_job_without_accounts_gets_no_new_fields_and_a_new_job_starts_them() -
     patch = status_patch(run(old, gang(4), two_nodes(), now=20, progress=trainer(15, 10)))
     assert not {"goodput", "progress", "eta", "recoveries"} & set(patch)
     new = status_patch(run(make_job(), [], two_nodes(), now=3, service_exists=False))
-    assert new["goodput"] == {"ratio": 0.0, "keptSeconds": 0.0, "stepsRedone": 0, "highestStep": 0,
-                              "since": to_rfc3339(at(3))}  # fmt: skip
+    assert new["goodput"] == {
+        "ratio": 0.0,
+        "keptSeconds": 0.0,
+        "stepsRedone": 0,
+        "highestStep": 0,
+        "since": to_rfc3339(at(3)),
+    }
 
 
 def test_the_trainer_publishes_the_total_and_the_operator_reads_tokens_and_mfu() -> None:
-    text = (f"{contract.METRIC_STEP} 7.0\n{contract.METRIC_TOTAL_STEPS} 200.0\n"
-            f"{contract.METRIC_TOKENS_PER_SECOND} 512.5\n{contract.METRIC_MFU} 0.25\n")  # fmt: skip
+    text = (
+        f"{contract.METRIC_STEP} 7.0\n{contract.METRIC_TOTAL_STEPS} 200.0\n"
+        f"{contract.METRIC_TOKENS_PER_SECOND} 512.5\n{contract.METRIC_MFU} 0.25\n"
+    )
     seen = parse_trainer_metrics(text)
     assert (seen.step, seen.total_steps, seen.tokens_per_second, seen.mfu) == (7, 200, 512.5, 0.25)
     from dtjob.trainer.metrics import TrainerMetrics

@@ -29,7 +29,11 @@ def test_worker_pod_has_the_design_names_labels_env_and_volume() -> None:
     }
     owner = meta["ownerReferences"][0]
     assert (owner["kind"], owner["name"], owner["uid"], owner["controller"]) == (
-        "DistributedTrainingJob", "gpt", "uid-1", True)  # fmt: skip
+        "DistributedTrainingJob",
+        "gpt",
+        "uid-1",
+        True,
+    )
     assert (spec["hostname"], spec["subdomain"], spec["restartPolicy"]) == ("gpt-worker-1", "gpt", "Never")
     env = env_of(pod)
     assert env == {
@@ -127,10 +131,16 @@ def test_dtjobs_own_trainer_restarts_in_place_through_the_agent_unless_told_not_
     own = make_job()
     _trainer_of(own)["command"] = ["python", "/script/train.py"]  # a user's script: only when asked
     assert _trainer(worker_pod(JobView(own), 0, 2, 0, WorkerDefaults()))["command"] == [
-        "python", "/script/train.py"]  # fmt: skip
+        "python",
+        "/script/train.py",
+    ]
     own["spec"]["elastic"]["restartInPlace"] = True
     assert _trainer(worker_pod(JobView(own), 0, 2, 0, WorkerDefaults()))["command"][:4] == [
-        "python", "-m", "dtjob.launcher", "--"]  # fmt: skip
+        "python",
+        "-m",
+        "dtjob.launcher",
+        "--",
+    ]
 
 
 def _trainer_of(job: dict[str, Any]) -> dict[str, Any]:

@@ -27,8 +27,9 @@ from tests.unit.reconciler_fixtures import (
     waiting,
 )
 
-DTJOB_TRAINER = TrainerProgress(step=12, checkpoint_step=10, checkpoint_time=at(90).timestamp(),
-                                checkpoints_published=True)  # fmt: skip
+DTJOB_TRAINER = TrainerProgress(
+    step=12, checkpoint_step=10, checkpoint_time=at(90).timestamp(), checkpoints_published=True
+)
 
 
 def survivors_of_rank_2(log: str | None, message: str | None = None) -> list[dict[str, Any]]:
@@ -49,8 +50,9 @@ def logs(line: str) -> dict[str, str]:
 # --- a lost peer -------------------------------------------------------------------------------
 def test_survivors_exiting_76_restart_the_gang_counted_naming_the_lost_rank() -> None:
     job = make_job(status=running_status())
-    actions = run(job, survivors_of_rank_2(None), two_nodes(),
-                  worker_logs=logs(contract.peer_lost_line(2, 10.2)))  # fmt: skip
+    actions = run(
+        job, survivors_of_rank_2(None), two_nodes(), worker_logs=logs(contract.peer_lost_line(2, 10.2))
+    )
     patch = status_patch(actions)
     assert (patch["generation"], patch["restarts"]) == (1, 1)
     restarting = condition(actions, "Restarting") or {}
@@ -71,14 +73,18 @@ def test_survivors_exiting_76_restart_the_gang_counted_naming_the_lost_rank() ->
 def test_the_lost_rank_comes_from_the_termination_message_too_and_may_be_unknown() -> None:
     job = make_job(status=running_status(), elastic={"heartbeatTimeoutSeconds": 4})
     from_message = run(job, survivors_of_rank_2(None, message=contract.peer_lost_line(2, 4.0)), two_nodes())
-    assert "rank 2 (gpt-worker-2) lost: no heartbeat for 4s" in (condition(from_message, "Restarting") or {})[
-        "message"]  # fmt: skip
+    assert (
+        "rank 2 (gpt-worker-2) lost: no heartbeat for 4s"
+        in (condition(from_message, "Restarting") or {})["message"]
+    )
     unnamed = run(job, survivors_of_rank_2(None), two_nodes())
     graceful = {d.name: d.grace_seconds for d in deletes(unnamed)}
     assert graceful["gpt-worker-2"] == 5, "no rank named: the one still running gets its grace period"
     message = (condition(unnamed, "Restarting") or {})["message"]
-    assert message.endswith("gpt-worker-0, gpt-worker-1, gpt-worker-3 exited 76: a peer stopped answering "
-                            "(no rank named in the log)")  # fmt: skip
+    assert message.endswith(
+        "gpt-worker-0, gpt-worker-1, gpt-worker-3 exited 76: a peer stopped answering "
+        "(no rank named in the log)"
+    )
     assert status_patch(unnamed)["restarts"] == 1
 
 
@@ -106,8 +112,11 @@ def test_workers_get_the_heartbeat_timeout() -> None:
 
 # --- the progress deadline -----------------------------------------------------------------------
 def stalled_job(deadline: int, metrics: bool = True, restarts: int = 0) -> dict[str, Any]:
-    status = {**running_status(since=0, metrics=metrics, restarts=restarts), "step": 12,
-              "lastProgressTime": to_rfc3339(at(10))}  # fmt: skip
+    status = {
+        **running_status(since=0, metrics=metrics, restarts=restarts),
+        "step": 12,
+        "lastProgressTime": to_rfc3339(at(10)),
+    }
     return make_job(status=status, elastic={"progressDeadlineSeconds": deadline})
 
 
@@ -195,8 +204,15 @@ def test_grow_back_of_a_trainer_without_metrics_waits_for_them_then_rescales_wit
 
 def test_kubectl_scale_up_of_a_plain_trainer_happens_and_says_what_it_waits_for() -> None:
     status = running_status(size=2, since=0, metrics=False)
-    status["conditions"].append({"type": "MetricsAvailable", "status": "False", "reason": "NoMetrics",
-                                 "message": "", "lastTransitionTime": to_rfc3339(at(30))})  # fmt: skip
+    status["conditions"].append(
+        {
+            "type": "MetricsAvailable",
+            "status": "False",
+            "reason": "NoMetrics",
+            "message": "",
+            "lastTransitionTime": to_rfc3339(at(30)),
+        }
+    )
     job = make_job(replicas=3, max_replicas=3, status=status)
     actions = run(job, gang(2), two_nodes(), now=100)
     assert (status_patch(actions)["generation"], status_patch(actions)["replicas"]) == (1, 3)
@@ -224,8 +240,15 @@ def test_a_dtjob_trainer_still_waits_for_its_first_checkpoint() -> None:
 # --- what the operator waits for ------------------------------------------------------------------
 def test_waiting_turns_false_once_the_gang_runs() -> None:
     status = {**running_status(generation=1), "phase": "Restarting"}
-    status["conditions"].append({"type": "Waiting", "status": "True", "reason": "Workers", "message": "",
-                                 "lastTransitionTime": to_rfc3339(at(90))})  # fmt: skip
+    status["conditions"].append(
+        {
+            "type": "Waiting",
+            "status": "True",
+            "reason": "Workers",
+            "message": "",
+            "lastTransitionTime": to_rfc3339(at(90)),
+        }
+    )
     actions = run(make_job(status=status), gang(4, generation=1), two_nodes())
     assert status_patch(actions)["phase"] == "Running"
     cond = condition(actions, "Waiting") or {}
@@ -234,16 +257,23 @@ def test_waiting_turns_false_once_the_gang_runs() -> None:
 
 def test_a_suspended_job_and_an_invalid_one_say_what_they_wait_for() -> None:
     suspended = run(make_job(status=running_status(), runPolicy={"suspend": True}), gang(4), two_nodes())
-    assert waiting(suspended) == ("Suspended", "waiting for spec.runPolicy.suspend to be false; "
-                                               "4 workers still stopping")  # fmt: skip
+    assert waiting(suspended) == (
+        "Suspended",
+        "waiting for spec.runPolicy.suspend to be false; 4 workers still stopping",
+    )
     invalid = run(make_job(replicas=4, max_replicas=3), [], two_nodes())
     assert waiting(invalid) == ("InvalidSpec", "waiting for the spec to be fixed (see condition Valid)")
 
 
 def test_checkpoint_writes_the_volume_refuses_show_on_the_job_until_one_is_written() -> None:
     job = make_job(status=running_status())
-    refused = TrainerProgress(step=12, checkpoint_step=10, checkpoint_time=at(90).timestamp(),
-                              checkpoints_published=True, checkpoint_failures=2)  # fmt: skip
+    refused = TrainerProgress(
+        step=12,
+        checkpoint_step=10,
+        checkpoint_time=at(90).timestamp(),
+        checkpoints_published=True,
+        checkpoint_failures=2,
+    )
     actions = run(job, gang(4), two_nodes(), progress=refused)
     failing = condition(actions, "CheckpointWriteFailing")
     assert failing is not None and failing["status"] == "True" and failing["reason"] == "VolumeRefused"
@@ -251,8 +281,13 @@ def test_checkpoint_writes_the_volume_refuses_show_on_the_job_until_one_is_writt
     assert "resume from step 10" in failing["message"]
     assert [(e.type, e.reason) for e in events(actions)] == [("Warning", "CheckpointWriteFailed")]
     assert run(applied(job, actions), gang(4), two_nodes(), progress=refused) == [], "said once"
-    written = TrainerProgress(step=14, checkpoint_step=14, checkpoint_time=at(99).timestamp(),
-                              checkpoints_published=True, checkpoint_failures=0)  # fmt: skip
+    written = TrainerProgress(
+        step=14,
+        checkpoint_step=14,
+        checkpoint_time=at(99).timestamp(),
+        checkpoints_published=True,
+        checkpoint_failures=0,
+    )
     later = run(applied(job, actions), gang(4), two_nodes(), progress=written)
     recovered = condition(later, "CheckpointWriteFailing")
     assert recovered is not None and recovered["status"] == "False"

@@ -92,17 +92,31 @@ def observations(draw: st.DrawFn) -> Observed:
             "restarts": draw(st.integers(0, max_restarts)),
             "startTime": to_rfc3339(at(0)),
             "step": draw(st.integers(0, 50)),
-            "conditions": [{"type": "Running", "status": "True", "reason": "Running", "message": "",
-                            "lastTransitionTime": to_rfc3339(at(since))}],
-        }  # fmt: skip
+            "conditions": [
+                {
+                    "type": "Running",
+                    "status": "True",
+                    "reason": "Running",
+                    "message": "",
+                    "lastTransitionTime": to_rfc3339(at(since)),
+                }
+            ],
+        }
         if draw(st.booleans()):
             status["lastCheckpoint"] = {"step": draw(st.integers(1, 50)), "time": to_rfc3339(at(since + 1))}
         if status["phase"] in {"Succeeded", "Failed"}:
             status["completionTime"] = to_rfc3339(at(draw(st.floats(0, 300))))
         if draw(st.booleans()):
             status["lastProgressTime"] = to_rfc3339(at(draw(st.floats(0, 300))))
-    job = make_job(replicas=replicas, min_replicas=MIN, max_replicas=MAX, max_restarts=max_restarts,
-                   status=status, elastic=elastic, runPolicy=run_policy)  # fmt: skip
+    job = make_job(
+        replicas=replicas,
+        min_replicas=MIN,
+        max_replicas=MAX,
+        max_restarts=max_restarts,
+        status=status,
+        elastic=elastic,
+        runPolicy=run_policy,
+    )
     nodes = [
         make_node(f"n{i}", cpu="2", ready=draw(st.booleans())) for i in range(1, draw(st.integers(1, 3)) + 1)
     ]
@@ -121,8 +135,10 @@ def observations(draw: st.DrawFn) -> Observed:
             grace_ends=draw(st.floats(0, 400)),
         )
         pods.append(pod)
-    progress = draw(st.none() | st.builds(TrainerProgress, step=st.none() | st.integers(0, 60),
-                                          checkpoints_published=st.booleans()))  # fmt: skip
+    progress = draw(
+        st.none()
+        | st.builds(TrainerProgress, step=st.none() | st.integers(0, 60), checkpoints_published=st.booleans())
+    )
     now = at(draw(st.floats(0, 400)))
     return Observed(job=job, pods=pods, nodes=nodes, now=now, node_pods=pods, progress=progress)
 
@@ -201,8 +217,10 @@ def _counted_failure(obs: Observed) -> bool:
     for pod in obs.pods:
         if label(pod, "generation") != generation or label(pod, "rank") >= size:
             continue
-        if pod["status"]["phase"] == "Failed" and pod["status"]["containerStatuses"][0]["state"][
-            "terminated"]["exitCode"] != 75:  # fmt: skip
+        if (
+            pod["status"]["phase"] == "Failed"
+            and pod["status"]["containerStatuses"][0]["state"]["terminated"]["exitCode"] != 75
+        ):
             return True
     return False
 
@@ -216,8 +234,9 @@ class Cluster(RuleBasedStateMachine):
 
     @initialize(replicas=st.integers(MIN, 4), dtjob_trainer=st.booleans())
     def start(self, replicas: int, dtjob_trainer: bool) -> None:
-        self.job: dict[str, Any] | None = make_job(replicas=replicas, min_replicas=MIN, max_replicas=MAX,
-                                                   max_restarts=50)  # fmt: skip
+        self.job: dict[str, Any] | None = make_job(
+            replicas=replicas, min_replicas=MIN, max_replicas=MAX, max_restarts=50
+        )
         self.dtjob_trainer = dtjob_trainer  # False: a plain script that publishes no metrics
         self.pods: dict[str, dict[str, Any]] = {}
         self.nodes = {f"n{i}": True for i in (1, 2, 3)}
@@ -237,8 +256,14 @@ class Cluster(RuleBasedStateMachine):
         assert self.job is not None
         nodes = [make_node(n, cpu="2", ready=ok) for n, ok in self.nodes.items()]
         pods = [copy.deepcopy(p) for p in self.pods.values()]
-        return Observed(job=copy.deepcopy(self.job), pods=pods, nodes=nodes, now=at(self.t), node_pods=pods,
-                        progress=self.progress())  # fmt: skip
+        return Observed(
+            job=copy.deepcopy(self.job),
+            pods=pods,
+            nodes=nodes,
+            now=at(self.t),
+            node_pods=pods,
+            progress=self.progress(),
+        )
 
     def progress(self) -> TrainerProgress | None:
         status = (self.job or {}).get("status") or {}
@@ -382,8 +407,10 @@ class Cluster(RuleBasedStateMachine):
                 self.checkpoint = self.step
             if self.step == STEPS:
                 for pod in members:
-                    pod["status"] = {"phase": "Succeeded", "containerStatuses": [
-                        {"name": "trainer", "state": {"terminated": {"exitCode": 0}}}]}  # fmt: skip
+                    pod["status"] = {
+                        "phase": "Succeeded",
+                        "containerStatuses": [{"name": "trainer", "state": {"terminated": {"exitCode": 0}}}],
+                    }
                 return
 
     @rule()
@@ -407,8 +434,10 @@ class Cluster(RuleBasedStateMachine):
             return
         if self.in_current_gang(pod) and not self.spec_suspended():
             self.unanswered.add(("pod", f"gpt-worker-{rank}"))
-        pod["status"] = {"phase": "Failed", "containerStatuses": [
-            {"name": "trainer", "state": {"terminated": {"exitCode": code}}}]}  # fmt: skip
+        pod["status"] = {
+            "phase": "Failed",
+            "containerStatuses": [{"name": "trainer", "state": {"terminated": {"exitCode": code}}}],
+        }
         if self.gang == label(pod, "generation"):
             self.gang = None
 
@@ -497,5 +526,6 @@ class Cluster(RuleBasedStateMachine):
 
 
 TestClusterEventOrders = Cluster.TestCase
-TestClusterEventOrders.settings = settings(max_examples=EXAMPLES, stateful_step_count=40, deadline=None,
-                                           suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
+TestClusterEventOrders.settings = settings(
+    max_examples=EXAMPLES, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)

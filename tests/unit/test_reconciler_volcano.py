@@ -61,14 +61,23 @@ UNSCHEDULABLE = {
 
 
 def preempted_pod(rank: int, exit_code: int | None = None) -> dict[str, Any]:
-    pod = make_pod(rank, deleting=True, phase="Failed" if exit_code is not None else "Running",
-                   exit_code=exit_code)  # fmt: skip
+    pod = make_pod(
+        rank, deleting=True, phase="Failed" if exit_code is not None else "Running", exit_code=exit_code
+    )
     pod["status"]["conditions"] = [
-        {"type": "Ready", "status": "False", "reason": "Evict",
-         "message": "Pod is evicted, because of preempt"},
-        {"type": "DisruptionTarget", "status": "True", "reason": "PreemptionByScheduler",
-         "message": "volcano: preempting to accommodate a higher priority pod"},
-    ]  # fmt: skip
+        {
+            "type": "Ready",
+            "status": "False",
+            "reason": "Evict",
+            "message": "Pod is evicted, because of preempt",
+        },
+        {
+            "type": "DisruptionTarget",
+            "status": "True",
+            "reason": "PreemptionByScheduler",
+            "message": "volcano: preempting to accommodate a higher priority pod",
+        },
+    ]
     return pod
 
 
@@ -192,8 +201,10 @@ def test_preempted_worker_restarts_uncounted_and_its_peers_get_their_full_grace(
     assert [e.type for e in events(actions) if e.reason == "Preempted"] == ["Normal"]
     # the peers checkpoint first (SIGTERM, their own grace period); the preempted one is already going
     assert {d.name: d.grace_seconds for d in deletes(actions)} == {
-        "gpt-worker-0": None, "gpt-worker-1": None, "gpt-worker-3": None
-    }  # fmt: skip
+        "gpt-worker-0": None,
+        "gpt-worker-1": None,
+        "gpt-worker-3": None,
+    }
 
 
 def test_preempted_worker_killed_after_its_grace_is_still_not_a_failure() -> None:

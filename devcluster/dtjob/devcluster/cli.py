@@ -95,8 +95,9 @@ def parser() -> argparse.ArgumentParser:
         "restart", help="simulate a control-plane failure: SIGKILL one component, start it again"
     )
     restart.add_argument("component", choices=CONTROL_PLANE)
-    restart.add_argument("--down", type=float, default=0.0, metavar="SECONDS",
-                         help="how long it stays down (default 0)")  # fmt: skip
+    restart.add_argument(
+        "--down", type=float, default=0.0, metavar="SECONDS", help="how long it stays down (default 0)"
+    )
     return p
 
 

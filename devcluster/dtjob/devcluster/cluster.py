@@ -10,7 +10,6 @@ import json
 import os
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from dtjob.devcluster import controlplane, kwok, network, nodes, processes, volc
 from dtjob.devcluster.apiclient import ApiClient
 from dtjob.devcluster.binaries import Binaries
 from dtjob.devcluster.errors import DevclusterError
+from dtjob.devcluster.host import port_free
 from dtjob.devcluster.layout import CONTROL_PLANE, KUBELET_BASE_PORT, Layout, node_name
 from dtjob.devcluster.nodes import NodeShape
 
@@ -95,16 +95,6 @@ def is_up(layout: Layout) -> bool:
     return component_pid(layout, "kube-apiserver") is not None
 
 
-def _port_in_use(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("0.0.0.0", port))
-        except OSError:
-            return True
-    return False
-
-
 def check_ports(layout: Layout, config: ClusterConfig) -> None:
     """Before starting anything: every port a component that is not running yet needs is free."""
     wanted: list[tuple[int, str]] = []
@@ -116,7 +106,7 @@ def check_ports(layout: Layout, config: ClusterConfig) -> None:
         if nodes.pid(layout, name) is None:
             wanted.append((KUBELET_BASE_PORT + i, f"nodelet {name}"))
     for port, owner in wanted:
-        if _port_in_use(port):
+        if not port_free(port):
             raise DevclusterError(
                 f"port {port} (needed by {owner}) is in use by another process; stop it "
                 f"(`ss -ltnp 'sport = :{port}'` shows which) or `dtjob devcluster down` a cluster "
@@ -237,8 +227,15 @@ def _start_missing(
     _wait_default_service_account(layout, timeout)
     if config.fake_nodes or kwok.pid(layout) is not None:
         c = config
-        kwok.ensure(layout, c.fake_nodes, c.fake_gpus_per_node, c.fake_cpus_per_node,
-                    c.fake_memory_per_node, c.fake_pods_per_node, started)  # fmt: skip
+        kwok.ensure(
+            layout,
+            c.fake_nodes,
+            c.fake_gpus_per_node,
+            c.fake_cpus_per_node,
+            c.fake_memory_per_node,
+            c.fake_pods_per_node,
+            started,
+        )
     if config.volcano:
         _start_volcano(layout, binaries, started, timeout)
 

@@ -23,7 +23,6 @@ import ipaddress
 import json
 import os
 import shutil
-import socket
 import subprocess
 import time
 import urllib.request
@@ -34,6 +33,7 @@ from dtjob.devcluster import processes
 from dtjob.devcluster.apiclient import ApiClient
 from dtjob.devcluster.binaries import DEVCLUSTER_SOURCE, cache_dir, read_versions
 from dtjob.devcluster.errors import DevclusterError
+from dtjob.devcluster.host import port_free
 from dtjob.devcluster.layout import BRIDGE_ADDRESS, POD_NETWORK, Layout
 
 COMPONENT = "kwok"
@@ -58,8 +58,8 @@ LEASE_SECONDS = 40
 # Stage plays KWOK runs at once (its default is 4): pods of a 1,024-worker gang go Running in
 # about a second instead of waiting in KWOK's queue behind each other.
 POD_PLAY_PARALLELISM = 16
-# Leases KWOK renews at once (its default is 4): 128 simulated nodes on a machine at load 15 kept
-# 4 renewals too far behind, and nodes turned NotReady in the middle of a 256-worker run.
+# Leases KWOK renews at once (its default is 4): with 4, the renewals of 128 simulated nodes on a
+# machine at load 15 fall behind and nodes turn NotReady in the middle of a 256-worker run.
 NODE_LEASE_PARALLELISM = 16
 READY_TIMEOUT = 180.0
 
@@ -232,16 +232,6 @@ def check_shape(nodelets: int) -> None:
         raise DevclusterError(f"{FAKE_POD_CIDR} is not inside the pod network {POD_NETWORK}")
 
 
-def _port_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 def ensure(
     layout: Layout, count: int, gpus: int, cpus: str, memory: str, pods: int, started: list[str]
 ) -> None:
@@ -259,7 +249,7 @@ def ensure(
         return
     running = pid(layout)
     if running is None:
-        if not _port_free(SERVER_PORT):
+        if not port_free(SERVER_PORT, "127.0.0.1"):
             raise DevclusterError(
                 f"port {SERVER_PORT} (needed by kwok) is in use by another process; stop it "
                 f"(`ss -ltnp 'sport = :{SERVER_PORT}'` shows which) and retry"

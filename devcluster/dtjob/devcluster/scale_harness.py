@@ -34,8 +34,12 @@ def simulated_job(
     resources: dict[str, Any] = {"requests": {"cpu": cpu, "memory": "128Mi"}}
     if gpus:
         resources["limits"] = {"nvidia.com/gpu": str(gpus)}
-    trainer = {"name": "trainer", "image": "dtjob/trainer:0.1.0", "command": ["sleep", "infinity"],
-               "resources": resources}  # fmt: skip
+    trainer = {
+        "name": "trainer",
+        "image": "dtjob/trainer:0.1.0",
+        "command": ["sleep", "infinity"],
+        "resources": resources,
+    }
     return {
         "apiVersion": "training.dtjob.io/v1alpha1",
         "kind": "DistributedTrainingJob",
@@ -97,11 +101,18 @@ def fail_worker(admin: Admin, namespace: str, pod: str, exit_code: int = 1) -> N
         "status": {
             "phase": "Failed",
             "containerStatuses": [
-                {"name": "trainer", "image": "dtjob/trainer:0.1.0", "imageID": "", "ready": False,
-                 "restartCount": 0, "started": False, "state": {"terminated": terminated}}
+                {
+                    "name": "trainer",
+                    "image": "dtjob/trainer:0.1.0",
+                    "imageID": "",
+                    "ready": False,
+                    "restartCount": 0,
+                    "started": False,
+                    "state": {"terminated": terminated},
+                }
             ],
         }
-    }  # fmt: skip
+    }
     admin.request(
         "PATCH", f"/api/v1/namespaces/{namespace}/pods/{pod}/status", status, "application/merge-patch+json"
     )
@@ -197,9 +208,13 @@ class PodWatch:
             record = self.pods.get(meta["uid"])
             if record is None:
                 record = self.pods[meta["uid"]] = PodRecord(
-                    meta["name"], meta["uid"], labels[LABEL_JOB], int(labels[LABEL_RANK]),
-                    int(labels[LABEL_GENERATION]), now,
-                )  # fmt: skip
+                    meta["name"],
+                    meta["uid"],
+                    labels[LABEL_JOB],
+                    int(labels[LABEL_RANK]),
+                    int(labels[LABEL_GENERATION]),
+                    now,
+                )
             status = pod.get("status") or {}
             if record.scheduled is None and (pod.get("spec") or {}).get("nodeName"):
                 record.scheduled = now

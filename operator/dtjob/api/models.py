@@ -381,8 +381,9 @@ class Recovery(ApiModel):
         description="ExitCode, Signal (an exit code above 128), Hang (a stalled step or a silent "
         "rank), NodeLost, PlannedRescale, Preemption or PodDeleted."
     )
-    reason: str = Field(description="The operator's reason (as on the Restarting condition), InPlace for "
-                        "a restart in place.")  # fmt: skip
+    reason: str = Field(
+        description="The operator's reason (as on the Restarting condition), InPlace for a restart in place."
+    )
     detected_at: datetime = Field(description="When the operator decided the restart.")
     detection_seconds: float = Field(
         ge=0,

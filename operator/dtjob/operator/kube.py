@@ -225,9 +225,10 @@ class Kube:
         """spec.renewTime of one node's Lease (None: none, or not readable)."""
         try:
             lease = self.raw.call(
-                "GET", f"/apis/coordination.k8s.io/v1/namespaces/{NODE_LEASE_NAMESPACE}/leases/"
-                + quoted(node), timeout=(5, 10),
-            )  # fmt: skip
+                "GET",
+                f"/apis/coordination.k8s.io/v1/namespaces/{NODE_LEASE_NAMESPACE}/leases/" + quoted(node),
+                timeout=(5, 10),
+            )
         except ApiException as e:
             if e.status not in (403, 404):
                 raise
@@ -257,9 +258,12 @@ class Kube:
         for w in candidates[: self.settings.log_reads_per_pass]:
             try:
                 text = self.core.read_namespaced_pod_log(
-                    w.name, job.namespace, container="trainer", tail_lines=self.settings.log_tail_lines,
+                    w.name,
+                    job.namespace,
+                    container="trainer",
+                    tail_lines=self.settings.log_tail_lines,
                     _request_timeout=(5, 10),
-                )  # fmt: skip
+                )
             except ApiException as e:
                 log.debug("no log of %s/%s: %s", job.namespace, w.name, e.reason)
                 continue
@@ -443,12 +447,27 @@ class Kube:
                         gang.spec_patch(manifest),
                     )
                 else:
-                    _ignore(409, self.custom.create_namespaced_custom_object,
-                            PODGROUP_GROUP, PODGROUP_VERSION, ns, PODGROUP_PLURAL, manifest)  # fmt: skip
+                    _ignore(
+                        409,
+                        self.custom.create_namespaced_custom_object,
+                        PODGROUP_GROUP,
+                        PODGROUP_VERSION,
+                        ns,
+                        PODGROUP_PLURAL,
+                        manifest,
+                    )
             case DeleteJob(reason=reason):
                 log.info("%s/%s: deleting the job: %s", ns, name, reason)
-                _ignore(404, self.custom.delete_namespaced_custom_object, GROUP, VERSION, ns, PLURAL, name,
-                        propagation_policy="Background")  # fmt: skip
+                _ignore(
+                    404,
+                    self.custom.delete_namespaced_custom_object,
+                    GROUP,
+                    VERSION,
+                    ns,
+                    PLURAL,
+                    name,
+                    propagation_policy="Background",
+                )
             case EmitEvent():
                 self._event(job, action)
             case CountRestart(reason=reason):

@@ -78,9 +78,10 @@ def main(argv: list[str]) -> int:
     kube.start(runner.trigger_soon)
     registry = build_registry(runner, settings)
     logging.getLogger("dtjob.operator").info(
-        "serving %s, peering %s", "all namespaces" if clusterwide else ", ".join(settings.namespaces),
+        "serving %s, peering %s",
+        "all namespaces" if clusterwide else ", ".join(settings.namespaces),
         settings.peering or "off",
-    )  # fmt: skip
+    )
     kopf.run(
         registry=registry,
         clusterwide=clusterwide,

@@ -30,9 +30,11 @@ class OperatorMetrics:
             "dtjob_operator_gang_restarts", "Unplanned gang restarts by reason", ["reason"], registry=r
         )
         self.rescales = Counter(
-            "dtjob_operator_rescales", "World size changes by direction and reason", ["direction", "reason"],
+            "dtjob_operator_rescales",
+            "World size changes by direction and reason",
+            ["direction", "reason"],
             registry=r,
-        )  # fmt: skip
+        )
         # Seconds, finer than the client's default buckets around 1 s: observing a 1,024-worker
         # gang and deciding takes 0.1-0.4 s, every other pass milliseconds.
         buckets = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 30)
@@ -92,8 +94,14 @@ class OperatorMetrics:
         self.job_goodput = gauge("dtjob_job_goodput_ratio")
         self.job_tokens = gauge("dtjob_job_tokens_per_second")
         self.job_mfu = gauge("dtjob_job_model_flops_utilization")
-        self._job_gauges = (self.job_step, self.job_total_steps, self.job_eta, self.job_goodput,
-                            self.job_tokens, self.job_mfu)  # fmt: skip
+        self._job_gauges = (
+            self.job_step,
+            self.job_total_steps,
+            self.job_eta,
+            self.job_goodput,
+            self.job_tokens,
+            self.job_mfu,
+        )
         doc = docs["dtjob_job_restarts_total"]  # the client adds _total to a counter's name
         self.job_restarts = Counter(
             doc.name.removesuffix("_total"), doc.meaning, doc.labels, registry=self.registry
@@ -105,9 +113,12 @@ class OperatorMetrics:
         doc = docs["dtjob_job_recovery_seconds"]
         # Downtime: a planned rescale takes seconds, a lost node minutes (its NotReady, new pods).
         self.job_recovery_seconds = Histogram(
-            doc.name, doc.meaning, doc.labels, buckets=(1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1800),
+            doc.name,
+            doc.meaning,
+            doc.labels,
+            buckets=(1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1800),
             registry=self.registry,
-        )  # fmt: skip
+        )
 
     def job_recovery(self, namespace: str, name: str, action: JobRestarted | JobRecovered) -> None:
         """A job's gang stopped (JobRestarted) or stepped again (JobRecovered)."""
@@ -124,8 +135,14 @@ class OperatorMetrics:
         eta, sample = from_rfc3339(status.get("eta")), kept.get("sample") or {}
         at = from_rfc3339(sample.get("time"))
         left = None if eta is None or at is None else max(0.0, (eta - at).total_seconds())
-        values = (status.get("step"), progress.get("totalSteps"), left, kept.get("ratio"),
-                  progress.get("tokensPerSecond"), progress.get("modelFlopsUtilization"))  # fmt: skip
+        values = (
+            status.get("step"),
+            progress.get("totalSteps"),
+            left,
+            kept.get("ratio"),
+            progress.get("tokensPerSecond"),
+            progress.get("modelFlopsUtilization"),
+        )
         for gauge, value in zip(self._job_gauges, values, strict=True):
             if value is None:
                 _remove(gauge, namespace, name)

@@ -77,8 +77,11 @@ def ensure_peering(name: str, clusterwide: bool, namespaces: list[str]) -> None:
     custom = client.CustomObjectsApi()
     if clusterwide:
         plural = _ensure_crd("Cluster")
-        body = {"apiVersion": f"{PEERING_GROUP}/{PEERING_VERSION}", "kind": "ClusterKopfPeering",
-                "metadata": {"name": name}}  # fmt: skip
+        body = {
+            "apiVersion": f"{PEERING_GROUP}/{PEERING_VERSION}",
+            "kind": "ClusterKopfPeering",
+            "metadata": {"name": name},
+        }
         try:
             custom.create_cluster_custom_object(PEERING_GROUP, PEERING_VERSION, plural, body)
         except ApiException as e:
@@ -90,8 +93,11 @@ def ensure_peering(name: str, clusterwide: bool, namespaces: list[str]) -> None:
         return
     plural = _ensure_crd("Namespaced")
     for namespace in namespaces:
-        body = {"apiVersion": f"{PEERING_GROUP}/{PEERING_VERSION}", "kind": "KopfPeering",
-                "metadata": {"name": name, "namespace": namespace}}  # fmt: skip
+        body = {
+            "apiVersion": f"{PEERING_GROUP}/{PEERING_VERSION}",
+            "kind": "KopfPeering",
+            "metadata": {"name": name, "namespace": namespace},
+        }
         try:
             custom.create_namespaced_custom_object(PEERING_GROUP, PEERING_VERSION, namespace, plural, body)
         except ApiException as e:
@@ -127,13 +133,17 @@ def _check_readable(read: Callable[[], object], body: dict[str, Any]) -> None:
             log.error(
                 "%s - the operator's role needs get, list, watch and patch on %ss.%s; until then kopf "
                 "pauses every handler (fix: install with the chart's RBAC, or add that rule)",
-                _api_message(e), kind.lower(), PEERING_GROUP,
-            )  # fmt: skip
+                _api_message(e),
+                kind.lower(),
+                PEERING_GROUP,
+            )
         elif e.status == 404:
             log.error(
                 "%s %s does not exist; kopf pauses every handler until it does (fix: create it, or "
-                "run with --standalone)", kind, name,
-            )  # fmt: skip
+                "run with --standalone)",
+                kind,
+                name,
+            )
         else:
             raise
 

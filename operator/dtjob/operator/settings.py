@@ -55,11 +55,11 @@ class ReconcilerSettings:
     """Pod creations and deletions one pass sends at most, and a job has at most twice this many
     in flight; a pass with more to do leaves the rest to the next pass, which runs once the job
     has at most this many in flight and sees the first ones (as the expectations of the writes in
-    flight, or in the cache once answered). A 1,024-worker gang took one pass of 7.5 s to create
-    (137 pods a second on KWOK here, through 32 writes in flight), and nothing else of the job
-    could happen meanwhile; 96 are 0.7 s of writes. Without the bound in flight, the passes that
-    the gang's own pod events trigger queued all 1,024 at once (a pod write waited 9.6 s for the
-    pool, p99), ahead of every other job's."""
+    flight, or in the cache once answered). 96 are about 0.7 s of writes (137 pods a second on
+    KWOK through 32 writes in flight), so nothing else of the job waits long; all 1,024 of a large
+    gang in one pass are 7.5 s. The bound in flight keeps the passes that the gang's own pod events
+    trigger from queueing all 1,024 ahead of every other job's writes (p99 wait for the pool 9.6 s
+    without it; bench/README.md, "A bounded number of pod writes per pass")."""
 
     workers: WorkerDefaults = field(default_factory=WorkerDefaults)
     """Site-wide defaults of the worker pods (the chart's `workers.*` values); a job's template
@@ -120,11 +120,17 @@ class ObserverSettings:
 
     def __post_init__(self) -> None:
         _check_positive(
-            self, "cache_sync_timeout_seconds", "api_concurrency", "job_write_concurrency",
+            self,
+            "cache_sync_timeout_seconds",
+            "api_concurrency",
+            "job_write_concurrency",
             "metrics_timeout_seconds",
-            "scrape_workers", "scrape_interval_seconds", "scrape_backoff_max_seconds",
-            "log_tail_lines", "log_reads_per_pass",
-        )  # fmt: skip
+            "scrape_workers",
+            "scrape_interval_seconds",
+            "scrape_backoff_max_seconds",
+            "log_tail_lines",
+            "log_reads_per_pass",
+        )
 
 
 @dataclass(frozen=True)

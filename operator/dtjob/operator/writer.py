@@ -101,8 +101,10 @@ def write_kind(action: Action) -> str:
 
 def log_pod_writes(job: JobView, writes: Sequence[PodWrite]) -> None:
     """One log line for a pass's pod creations and one for its deletions (with their reasons)."""
-    for kind, group in (("creating", [w for w in writes if isinstance(w, CreatePod)]),
-                        ("deleting", [w for w in writes if isinstance(w, DeletePod)])):  # fmt: skip
+    for kind, group in (
+        ("creating", [w for w in writes if isinstance(w, CreatePod)]),
+        ("deleting", [w for w in writes if isinstance(w, DeletePod)]),
+    ):
         if group:
             reasons = sorted({w.reason for w in group if isinstance(w, DeletePod)})
             why = f": {'; '.join(reasons)}" if reasons else ""

@@ -41,8 +41,8 @@ _GENERATION_KEY = "dtjob/generation"
 # from a 1,024-worker gang waiting for rank 0's record).
 _RESOLVE_RETRY_SECONDS = 0.5
 # How often it tries the master's port. torch's TCPStore client retries a refused connection only
-# every 1 s (c10d's FixedBackoff): a worker that started before rank 0 listened lost 0.5 s on
-# average in every restart (measured: 0.5 s of a 0.76 s connect). A refused connect costs the
+# every 1 s (c10d's FixedBackoff): a worker that starts before rank 0 listens loses 0.5 s on
+# average in every restart, two thirds of a 0.76 s connect. A refused connect costs the
 # master's kernel one RST: 20,000 a second from 1,023 workers for the moment before it listens.
 _PORT_RETRY_SECONDS = 0.05
 # One connect attempt's limit: a SYN lost while the pod's network comes up is sent again by the
@@ -124,8 +124,14 @@ def _wait_for_port(host: str, port: int, deadline: float) -> None:
             now = time.monotonic()
             if now - reported >= _WAIT_REPORT_SECONDS:
                 reported = now
-                log.warning("waiting %.0fs for the master's store at %s:%d (%s): %s",
-                            now - started, host, port, _address_of(host), err)  # fmt: skip
+                log.warning(
+                    "waiting %.0fs for the master's store at %s:%d (%s): %s",
+                    now - started,
+                    host,
+                    port,
+                    _address_of(host),
+                    err,
+                )
             time.sleep(_PORT_RETRY_SECONDS)
 
 

@@ -80,8 +80,12 @@ class Fence:
                     f"of this job ({held.get('host')}) holds the checkpoint directory {self.path.parent}"
                 )
         elif held is not None:
-            log.warning("checkpoint directory %s was claimed by job uid %s (%s); taking it over",
-                        self.path.parent, held.get("job_uid"), held.get("host"))  # fmt: skip
+            log.warning(
+                "checkpoint directory %s was claimed by job uid %s (%s); taking it over",
+                self.path.parent,
+                held.get("job_uid"),
+                held.get("host"),
+            )
         self.path.parent.mkdir(parents=True, exist_ok=True)
         staging = self.path.with_name(f"{OWNER}.{self.claim['token']}")
         staging.write_text(json.dumps(self.claim))
@@ -112,8 +116,12 @@ class Fence:
 
     def _leave(self, held: dict[str, Any]) -> None:
         who = f"generation {held.get('generation')} of job uid {held.get('job_uid')} ({held.get('host')})"
-        print(f"dtjob-trainer: superseded: {who} claimed the checkpoint directory {self.path.parent}; "
-              f"generation {self.generation} stops", file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"dtjob-trainer: superseded: {who} claimed the checkpoint directory {self.path.parent}; "
+            f"generation {self.generation} stops",
+            file=sys.stderr,
+            flush=True,
+        )
         logging.shutdown()
         os._exit(contract.EXIT_STALE_GENERATION)
 

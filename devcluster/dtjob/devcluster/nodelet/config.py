@@ -60,9 +60,18 @@ def parse_args(argv: list[str] | None = None) -> NodeletConfig:
     if a.gpus < 0 or not 0 < a.kubelet_port < 65536:
         p.error("--gpus must be >= 0 and --kubelet-port in 1..65535")
     return NodeletConfig(
-        name=a.name, kubeconfig=a.kubeconfig, state_dir=a.state_dir.absolute(), ca_cert=a.ca_cert,
-        serving_cert=a.serving_cert, serving_key=a.serving_key, kubelet_port=a.kubelet_port,
+        name=a.name,
+        kubeconfig=a.kubeconfig,
+        state_dir=a.state_dir.absolute(),
+        ca_cert=a.ca_cert,
+        serving_cert=a.serving_cert,
+        serving_key=a.serving_key,
+        kubelet_port=a.kubelet_port,
         node_ip=a.node_ip,
-        pod_cidr=a.pod_cidr, bridge=a.bridge, bridge_prefix_len=a.bridge_prefix_len, cpus=a.cpus,
-        memory=a.memory, gpus=a.gpus,
-    )  # fmt: skip
+        pod_cidr=a.pod_cidr,
+        bridge=a.bridge,
+        bridge_prefix_len=a.bridge_prefix_len,
+        cpus=a.cpus,
+        memory=a.memory,
+        gpus=a.gpus,
+    )

@@ -67,9 +67,15 @@ def node_status(cfg: NodeletConfig, transition: bool = True) -> Obj:
         ],
         "daemonEndpoints": {"kubeletEndpoint": {"Port": cfg.kubelet_port}},
         "nodeInfo": {
-            "kubeletVersion": kubelet_version(), "operatingSystem": "linux", "architecture": arch(),
-            "kernelVersion": platform.release(), "osImage": "dtjob devcluster nodelet",
-            "containerRuntimeVersion": "dtjob-nodelet://0.1", "machineID": "", "systemUUID": "", "bootID": "",
+            "kubeletVersion": kubelet_version(),
+            "operatingSystem": "linux",
+            "architecture": arch(),
+            "kernelVersion": platform.release(),
+            "osImage": "dtjob devcluster nodelet",
+            "containerRuntimeVersion": "dtjob-nodelet://0.1",
+            "machineID": "",
+            "systemUUID": "",
+            "bootID": "",
         },
         "conditions": [
             cond("MemoryPressure", False, "KubeletHasSufficientMemory", "nodelet has sufficient memory"),
@@ -77,7 +83,7 @@ def node_status(cfg: NodeletConfig, transition: bool = True) -> Obj:
             cond("PIDPressure", False, "KubeletHasSufficientPID", "nodelet has sufficient PID available"),
             cond("Ready", True, "KubeletReady", "nodelet is posting ready status"),
         ],
-    }  # fmt: skip
+    }
 
 
 def node_object(cfg: NodeletConfig) -> Obj:

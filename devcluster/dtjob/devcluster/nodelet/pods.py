@@ -286,9 +286,12 @@ class PodWorker:
         with open(log_file, "ab") as out:
             proc = await asyncio.create_subprocess_exec(
                 *sandbox.launch_argv(self.box.netns, plan_file),
-                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                start_new_session=True, env={"PATH": SYSTEM_PATH},
-            )  # fmt: skip
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env={"PATH": SYSTEM_PATH},
+            )
         st.record_process(self.uid, run.name, proc.pid)
         self.procs[run.name] = proc
         run.running(proc.pid)
@@ -317,8 +320,11 @@ class PodWorker:
             return user
         log.warning(
             "pod %s/%s: uid %s cannot execute %s (a directory on the way is not searchable); runs as root",
-            self.ns, self.name, uid, sys.executable,
-        )  # fmt: skip
+            self.ns,
+            self.name,
+            uid,
+            sys.executable,
+        )
         return {"runAsUser": None, "runAsGroup": None, "supplementalGroups": []}
 
     async def terminate(self, grace: float) -> None:

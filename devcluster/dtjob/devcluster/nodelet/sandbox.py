@@ -116,11 +116,13 @@ def launch_argv(netns: str, plan: Path) -> list[str]:
     and its own UTS namespace (the pod's hostname), the launcher applies `plan` and execs the
     container's command. The launcher is a stdlib-only script run with -I -S: it starts fast and
     ignores the caller's PYTHON* variables."""
+    # fmt: off
     return [
         "ip", "netns", "exec", netns,
         "unshare", "--mount", "--uts", "--propagation", "private",
         sys.executable, "-I", "-S", str(LAUNCHER), str(plan),
-    ]  # fmt: skip
+    ]
+    # fmt: on
 
 
 @functools.cache

@@ -106,8 +106,13 @@ class Conditions:
         if old is not None and old["status"] == status and old.get("reason", "") == reason:
             return
         # reason None (null) deletes an earlier reason: status reports are strategic merge patches.
-        item: Obj = {"type": kind, "status": status, "lastProbeTime": None, "lastTransitionTime": now(),
-                     "reason": reason or None}  # fmt: skip
+        item: Obj = {
+            "type": kind,
+            "status": status,
+            "lastProbeTime": None,
+            "lastTransitionTime": now(),
+            "reason": reason or None,
+        }
         self._items[kind] = item
 
     def as_list(self) -> list[Obj]:

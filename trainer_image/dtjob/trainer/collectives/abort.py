@@ -12,8 +12,8 @@ How a failure travels, under a plain process group as under `ElasticSession`:
   writes why into the default group's store (`dtjob/abort/why`), then breaks every gloo group
   it ran dtjob collectives on: a receive posted and waited for with a 1 ms timeout makes gloo
   close every connection of the group's context (gloo's "Application timeout caused pair
-  closure"; `ProcessGroup.abort()` does not unblock a gloo wait in torch 2.15: measured, the wait
-  went on until the peer's process exited). Its own threads blocked in those groups wake too.
+  closure"; `ProcessGroup.abort()` does not unblock a gloo wait in torch 2.15: the wait lasts
+  until the peer's process exits). Its own threads blocked in those groups wake too.
 - A peer blocked on one of those connections gets "Connection closed by peer" at once; the dtjob
   collective turns it into `GangAborted`, which names the failed rank and its error as read from
   the store, and breaks the peer's own groups in turn: ranks blocked on that peer wake next. So

@@ -107,6 +107,21 @@ class _Call:
     refusal: Exception | None  # ... and why
     local_world_size: int | None = None  # all_reduce's keyword
 
+    @classmethod
+    def of(
+        cls,
+        op: str,
+        name: str,
+        runner: GroupRunner,
+        whole: torch.Tensor,
+        reduced: tuple[RedOpType, Reduction | None, Exception | None] | None = None,
+    ) -> _Call:
+        """The call that moves `whole` (the full vector: all-gather's output, reduce-scatter's
+        input); `reduced` is _reduction's answer for the reducing ops, None for the copies."""
+        kind, reduction, refusal = reduced if reduced is not None else (None, None, None)
+        nbytes = whole.numel() * whole.element_size()
+        return cls(op, name, runner, whole.device, whole.dtype, nbytes, kind, reduction, refusal)
+
     @property
     def backend(self) -> str:
         key = f"backend:{self.device.type}"
@@ -305,14 +320,17 @@ class _Timer:
 def _execute(
     call: _Call,
     algorithm: str,
-    trials: tuning.Trials | None,
     async_op: bool,
     result: list[torch.Tensor],
     touched: list[torch.Tensor],
     run: Callable[[str, Peers], None],
     run_native: Callable[[bool], dist.Work | None],
 ) -> CollectiveWork | None:
-    """Run the decided call: native at once in this thread, dtjob's algorithms on the runner."""
+    """Decide the call's algorithm (bad settings raise here, before any message is sent), then run
+    it: native at once in this thread, dtjob's algorithms on the runner. `result` is what an async
+    handle returns, `touched` every tensor the call reads or writes; `run(algorithm, peers)` runs
+    one of dtjob's algorithms, `run_native(async_op)` the backend's own call."""
+    algorithm, trials = _decide(call, algorithm)
     runner, device = call.runner, call.device
     runner.last_algorithm[call.op] = algorithm
     if algorithm == NATIVE:
@@ -380,10 +398,8 @@ def all_reduce(
     runner = runner_for(pg)
     if runner.size == 1 or tensor.numel() == 0:
         return _nothing_to_send([tensor], async_op)
-    nbytes = tensor.numel() * tensor.element_size()
-    call = _Call("allreduce", name, runner, tensor.device, tensor.dtype, nbytes, kind, reduction, refusal)
+    call = _Call.of("allreduce", name, runner, tensor, (kind, reduction, refusal))
     call.local_world_size = local_world_size
-    choice, trials = _decide(call, algorithm)
 
     def run(algo: str, comm: Peers) -> None:
         assert reduction is not None
@@ -401,7 +417,7 @@ def all_reduce(
     def run_native(async_call: bool) -> dist.Work | None:
         return native.all_reduce(tensor, op, kind, pg, async_call, call.backend)
 
-    return _execute(call, choice, trials, async_op, [tensor], [tensor], run, run_native)
+    return _execute(call, algorithm, async_op, [tensor], [tensor], run, run_native)
 
 
 def reduce_scatter_tensor(
@@ -433,9 +449,7 @@ def reduce_scatter_tensor(
     if n == 1 or count == 0:
         output.copy_(input.view_as(output) if input.is_contiguous() else input.reshape(output.shape))
         return _nothing_to_send([output], async_op)
-    nbytes = input.numel() * input.element_size()
-    call = _Call("reduce_scatter", name, runner, input.device, input.dtype, nbytes, kind, reduction, refusal)
-    choice, trials = _decide(call, algorithm)
+    call = _Call.of("reduce_scatter", name, runner, input, (kind, reduction, refusal))
 
     def run(algo: str, comm: Peers) -> None:
         assert reduction is not None
@@ -455,7 +469,7 @@ def reduce_scatter_tensor(
     def run_native(async_call: bool) -> dist.Work | None:
         return native.reduce_scatter_tensor(output, input, op, kind, pg, async_call, call.backend)
 
-    return _execute(call, choice, trials, async_op, [output], [output, input], run, run_native)
+    return _execute(call, algorithm, async_op, [output], [output, input], run, run_native)
 
 
 def all_gather_into_tensor(
@@ -485,15 +499,12 @@ def all_gather_into_tensor(
     if n == 1 or count == 0:
         output_tensor.copy_(input_tensor.reshape(output_tensor.shape))
         return _nothing_to_send([output_tensor], async_op)
-    nbytes = output_tensor.numel() * output_tensor.element_size()
-    device, dtype = output_tensor.device, output_tensor.dtype
-    call = _Call("allgather", name, runner, device, dtype, nbytes, None, None, None)
-    choice, trials = _decide(call, algorithm)
+    call = _Call.of("allgather", name, runner, output_tensor)
 
     def run(algo: str, comm: Peers) -> None:
         flat, copied = _flat(output_tensor)
         buf = flat.view(torch.uint8)  # a copy moves bytes: any dtype
-        width = nbytes // n
+        width = call.nbytes // n
         bounds = [i * width for i in range(n + 1)]
         buf[bounds[comm.rank] : bounds[comm.rank + 1]].copy_(input_tensor.reshape(-1).view(torch.uint8))
         _ALL_GATHER[algo](comm, buf, bounds)
@@ -504,7 +515,7 @@ def all_gather_into_tensor(
         return native.all_gather_into_tensor(output_tensor, input_tensor, pg, async_call, call.backend)
 
     touched = [output_tensor, input_tensor]
-    return _execute(call, choice, trials, async_op, [output_tensor], touched, run, run_native)
+    return _execute(call, algorithm, async_op, [output_tensor], touched, run, run_native)
 
 
 def broadcast(
@@ -542,9 +553,7 @@ def broadcast(
     runner = runner_for(pg)
     if runner.size == 1 or tensor.numel() == 0:
         return _nothing_to_send([tensor], async_op)
-    nbytes = tensor.numel() * tensor.element_size()
-    call = _Call("broadcast", name, runner, tensor.device, tensor.dtype, nbytes, None, None, None)
-    choice, trials = _decide(call, algorithm)
+    call = _Call.of("broadcast", name, runner, tensor)
 
     def run(algo: str, comm: Peers) -> None:
         flat, copied = _flat(tensor)
@@ -555,7 +564,7 @@ def broadcast(
     def run_native(async_call: bool) -> dist.Work | None:
         return native.broadcast(tensor, pg, async_call, call.backend, runner.global_ranks[root])
 
-    return _execute(call, choice, trials, async_op, [tensor], [tensor], run, run_native)
+    return _execute(call, algorithm, async_op, [tensor], [tensor], run, run_native)
 
 
 def last_algorithm(op: str, group: ProcessGroup | None = None) -> str | None:

@@ -23,29 +23,17 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from dtjob.trainer.collectives.peers import WIRE_DTYPES
 from dtjob.trainer.collectives.reduce_ops import RedOpType, finish_average
 
 _R = dist.ReduceOp
-_GLOO_DTYPES = frozenset(
-    {
-        torch.bool,
-        torch.uint8,
-        torch.int8,
-        torch.int32,
-        torch.int64,
-        torch.float16,
-        torch.bfloat16,
-        torch.float32,
-        torch.float64,
-    }
-)
-_NCCL_DTYPES = _GLOO_DTYPES | {
+_NCCL_DTYPES = WIRE_DTYPES | {
     torch.float8_e4m3fn,
     torch.float8_e5m2,
     torch.float8_e4m3fnuz,
     torch.float8_e5m2fnuz,
 }
-_DTYPES = {"gloo": _GLOO_DTYPES, "nccl": _NCCL_DTYPES}
+_DTYPES = {"gloo": WIRE_DTYPES, "nccl": _NCCL_DTYPES}
 _OPS = {
     "gloo": frozenset({_R.SUM, _R.AVG, _R.PRODUCT, _R.MIN, _R.MAX, _R.BAND, _R.BOR, _R.BXOR}),
     "nccl": frozenset({_R.SUM, _R.AVG, _R.PRODUCT, _R.MIN, _R.MAX, _R.PREMUL_SUM}),

@@ -39,9 +39,10 @@ SEGMENTS_PER_REGION = 2
 MIN_SEGMENT_BYTES = 4 << 20
 SEGMENT_ENV_VAR = "DTJOB_COLLECTIVE_SEGMENT_BYTES"
 
-# The dtypes NCCL's send and receive take as they are (torch's ncclDataType map); others, and
-# complex, go as bytes.
-_NCCL_WIRE_DTYPES = frozenset(
+# The dtypes both torch backends have a type for (torch's ncclDataType map; gloo reduces the same
+# set): not int16, the wider unsigned ints or complex. NCCL's send and receive take these as they
+# are; other tensors go as their bytes. native.py builds its per-backend tables on this set.
+WIRE_DTYPES = frozenset(
     {
         torch.bool,
         torch.uint8,
@@ -243,7 +244,7 @@ class Peers:
 
 def _wire(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor as NCCL can move it: itself, or its bytes (a view, no copy)."""
-    return tensor if tensor.dtype in _NCCL_WIRE_DTYPES else tensor.view(torch.uint8)
+    return tensor if tensor.dtype in WIRE_DTYPES else tensor.view(torch.uint8)
 
 
 def wait_all(works: Sequence[dist.Work]) -> None:
