@@ -17,9 +17,9 @@ from dtjob.trainer import checkpoint as ckpt
 from dtjob.trainer import elastic
 from dtjob.trainer.config import ConfigError, TrainerConfig, parse
 from dtjob.trainer.data import Corpus, GlobalBatchSampler, TokenWindows
+from dtjob.trainer.lr_schedule import WarmupCosine
 from dtjob.trainer.parallel.comm import COLLECTIVES
 from dtjob.trainer.parallel.shards import FlatShard
-from dtjob.trainer.schedule import WarmupCosine
 
 # --- flags and environment -----------------------------------------------------------------------
 

@@ -8,14 +8,14 @@ from dtjob import contract
 from dtjob.launcher.agent import AgentSettings
 from dtjob.launcher.coordinator import (
     BEAT_TIMEOUT_SECONDS,
-    Failure,
     GangState,
     GiveUp,
     Ignore,
     Restart,
+    TrainerExit,
     decide,
 )
-from dtjob.launcher.standby import PRELOAD, Target, parse, preload_modules
+from dtjob.launcher.standby import PRELOAD, PythonCommand, parse, preload_modules
 
 NOW = 1000.0
 
@@ -29,14 +29,14 @@ def _state(**kw: object) -> GangState:
 
 
 def test_a_failure_restarts_in_place_when_every_pod_beats_and_restarts_are_left() -> None:
-    assert decide(_state(), Failure(pod=1, round=0, rank=5, code=137), NOW) == Restart(
+    assert decide(_state(), TrainerExit(pod=1, round=0, rank=5, code=137), NOW) == Restart(
         "rank 5 (pod 1) exited 137 (SIGKILL)"
     )
 
 
 def test_failures_of_another_round_or_during_a_restart_are_ignored() -> None:
-    assert decide(_state(round=1), Failure(1, 0, 1, 1), NOW) == Ignore()
-    assert decide(_state(restarting=True), Failure(1, 0, 1, 1), NOW) == Ignore()
+    assert decide(_state(round=1), TrainerExit(1, 0, 1, 1), NOW) == Ignore()
+    assert decide(_state(restarting=True), TrainerExit(1, 0, 1, 1), NOW) == Ignore()
 
 
 @pytest.mark.parametrize(
@@ -49,25 +49,25 @@ def test_failures_of_another_round_or_during_a_restart_are_ignored() -> None:
 )
 def test_no_restart_in_place_when_it_cannot_help(change: dict[str, object], reason: str) -> None:
     state = _state(**change)
-    assert decide(state, Failure(1, state.round, 1, 1), NOW) == GiveUp(reason)
+    assert decide(state, TrainerExit(1, state.round, 1, 1), NOW) == GiveUp(reason)
 
 
 def test_a_pod_whose_agent_went_silent_or_never_came_stops_restarts_in_place() -> None:
     silent = _state()
     silent.beats[2] = NOW - BEAT_TIMEOUT_SECONDS - 0.1
-    assert decide(silent, Failure(0, 0, 0, 1), NOW) == GiveUp("the agent of pod 2 is not answering")
+    assert decide(silent, TrainerExit(0, 0, 0, 1), NOW) == GiveUp("the agent of pod 2 is not answering")
     missing = _state()
     del missing.beats[1]
-    assert decide(missing, Failure(0, 0, 0, 1), NOW) == GiveUp("the agent of pod 1 is not answering")
+    assert decide(missing, TrainerExit(0, 0, 0, 1), NOW) == GiveUp("the agent of pod 1 is not answering")
 
 
 @pytest.mark.parametrize(
     ("command", "target"),
     [
-        (["python", "-m", "dtjob.trainer", "--x"], Target("python", "dtjob.trainer", None, ("--x",))),
+        (["python", "-m", "dtjob.trainer", "--x"], PythonCommand("python", "dtjob.trainer", None, ("--x",))),
         (
             ["/v/bin/python3.11", "-u", "train.py", "a"],
-            Target("/v/bin/python3.11", None, "train.py", ("a",), True),
+            PythonCommand("/v/bin/python3.11", None, "train.py", ("a",), True),
         ),
         (["python", "-X", "dev", "train.py"], None),  # other interpreter options: cold
         (["torchrun", "train.py"], None),
@@ -75,7 +75,7 @@ def test_a_pod_whose_agent_went_silent_or_never_came_stops_restarts_in_place() -
         (["python", "-m"], None),
     ],
 )
-def test_a_standby_runs_plain_python_commands_only(command: list[str], target: Target | None) -> None:
+def test_a_standby_runs_plain_python_commands_only(command: list[str], target: PythonCommand | None) -> None:
     assert parse(command) == target
 
 

@@ -12,7 +12,7 @@ from dtjob import contract
 from dtjob.api.models import ElasticPolicy
 from dtjob.launcher import protocol
 from dtjob.launcher.agent import AgentSettings
-from dtjob.launcher.coordinator import Coordinator, Failure, GangState, GiveUp, Restart, decide
+from dtjob.launcher.coordinator import Coordinator, GangState, GiveUp, Restart, TrainerExit, decide
 from tests.trainer.runtime_gang import free_port
 
 
@@ -52,7 +52,7 @@ def test_the_pods_environment_sets_t_and_no_heartbeat_keeps_the_default() -> Non
 
 def test_the_coordinators_decision_takes_the_gangs_timeout() -> None:
     now = 1000.0
-    failure = Failure(pod=0, round=0, rank=0, code=1)
+    failure = TrainerExit(pod=0, round=0, rank=0, code=1)
     for timeout, decision in [
         (10.0, Restart("rank 0 (pod 0) exited 1")),  # silent 2 s < 3 s
         (4.0, GiveUp("the agent of pod 1 is not answering")),  # silent 2 s > 1.2 s

@@ -7,7 +7,7 @@ import threading
 from typing import Any
 
 from dtjob.operator.progress import TrainerProgress
-from dtjob.operator.scrape import Scraper, Target
+from dtjob.operator.scrape import Scraper, ScrapeTarget
 from dtjob.operator.settings import ObserverSettings
 
 SETTINGS = ObserverSettings(scrape_interval_seconds=1.0, scrape_backoff_max_seconds=8.0)
@@ -50,7 +50,7 @@ def test_a_pass_gets_the_last_answer_at_once_and_a_new_step_triggers_a_pass() ->
     s, clock, fired, asked = scraper(
         [TrainerProgress(step=5), TrainerProgress(step=5), TrainerProgress(step=6)]
     )
-    target = Target("uid-0", "http://10.244.1.5:9400/metrics")
+    target = ScrapeTarget("uid-0", "http://10.244.1.5:9400/metrics")
     assert s.latest(JOB, target) is None, "nothing yet: the scrape runs in the background"
     assert s.done.acquire(timeout=5)  # type: ignore[attr-defined]
     assert s.latest(JOB, target) == TrainerProgress(step=5) and fired == [JOB]
@@ -67,7 +67,7 @@ def test_a_pass_gets_the_last_answer_at_once_and_a_new_step_triggers_a_pass() ->
 
 def test_a_silent_rank_0_is_asked_after_1_2_4_8_8_seconds() -> None:
     s, clock, _, asked = scraper([OSError("no route to host")] * 10)
-    target = Target("uid-0", "http://10.244.192.7:9400/metrics")
+    target = ScrapeTarget("uid-0", "http://10.244.192.7:9400/metrics")
     tries = []
     for tick in range(0, 40):
         clock.now = float(tick)
@@ -82,7 +82,7 @@ def test_a_silent_rank_0_is_asked_after_1_2_4_8_8_seconds() -> None:
 
 def test_a_job_with_a_progress_deadline_is_asked_at_least_every_quarter_of_it() -> None:
     s, clock, _, asked = scraper([OSError("connection refused")] * 20)
-    target = Target("uid-0", "http://10.244.1.9:9400/metrics")
+    target = ScrapeTarget("uid-0", "http://10.244.1.9:9400/metrics")
     tries = []
     for half in range(0, 24):
         clock.now = half / 2
@@ -97,10 +97,10 @@ def test_a_job_with_a_progress_deadline_is_asked_at_least_every_quarter_of_it() 
 
 def test_a_new_rank_0_starts_with_nothing() -> None:
     s, _clock, _, _ = scraper([TrainerProgress(step=9), OSError("refused")])
-    s.latest(JOB, Target("uid-0", "http://a/metrics"))
+    s.latest(JOB, ScrapeTarget("uid-0", "http://a/metrics"))
     assert s.done.acquire(timeout=5)  # type: ignore[attr-defined]
-    assert s.latest(JOB, Target("uid-0", "http://a/metrics")) == TrainerProgress(step=9)
-    assert s.latest(JOB, Target("uid-1", "http://b/metrics")) is None, "the next generation's rank 0"
+    assert s.latest(JOB, ScrapeTarget("uid-0", "http://a/metrics")) == TrainerProgress(step=9)
+    assert s.latest(JOB, ScrapeTarget("uid-1", "http://b/metrics")) is None, "the next generation's rank 0"
     assert s.done.acquire(timeout=5)  # type: ignore[attr-defined]
 
 
@@ -121,11 +121,11 @@ def test_once_asked_a_rank_0_is_scraped_on_its_own_until_the_job_is_forgotten() 
 
     fast = ObserverSettings(scrape_interval_seconds=0.05, scrape_backoff_max_seconds=0.05)
     s = Scraper(fast, lambda ns, name: fired.append((ns, name)), fetch)
-    s.latest(JOB, Target("uid-0", "http://a/metrics"))  # the only pass that asks
+    s.latest(JOB, ScrapeTarget("uid-0", "http://a/metrics"))  # the only pass that asks
     for _ in range(6):  # step 1, step 1 (no change), refused, steps 2, 3, 4
         assert asked.acquire(timeout=5), "no scrape after the first: scrapes must go on without passes"
     assert fired.count(JOB) >= 3, f"every new step triggers a pass: {fired}"
-    assert s.latest(JOB, Target("uid-0", "http://a/metrics")) is not None
+    assert s.latest(JOB, ScrapeTarget("uid-0", "http://a/metrics")) is not None
     s.forget(JOB)
     while asked.acquire(timeout=0.3):  # the scrape in flight or scheduled when forgotten
         pass

@@ -29,7 +29,7 @@ EXIT_PEER_LOST = contract.EXIT_PEER_LOST
 
 
 @dataclass(frozen=True)
-class Failure:
+class WorkerFailure:
     """Why the current generation cannot go on as it is, found on one of its workers."""
 
     worker: Worker
@@ -40,41 +40,47 @@ class Failure:
     lost_rank: int | None = None  # PeerLost: the rank its log names
 
 
-def detect(p: ReconcilePass, current: Sequence[Worker]) -> list[Failure]:
+def detect(p: ReconcilePass, current: Sequence[Worker]) -> list[WorkerFailure]:
     """The failures of the current generation's workers, at most one each: a lost node, a
     preemption, an exit (75: stopped after a checkpoint; 76: a peer lost; others: failed), or a
     deletion nobody planned."""
     nodes = p.nodes
-    found: list[Failure] = []
+    found: list[WorkerFailure] = []
     for w in current:
         if w.phase == "Succeeded":
             continue
         if w.node_name and w.node_name not in nodes:
-            found.append(Failure(w, "NodeLost", f"node {w.node_name} of {w.name} is gone", True))
+            found.append(WorkerFailure(w, "NodeLost", f"node {w.node_name} of {w.name} is gone", True))
         elif w.node_name and not w.terminal and node_lost(p, w):
-            found.append(Failure(w, "NodeLost", f"node {w.node_name} of {w.name} is NotReady", True))
+            found.append(WorkerFailure(w, "NodeLost", f"node {w.node_name} of {w.name} is NotReady", True))
         elif w.preempted is not None and (w.deleting or w.terminal):
             # planned by the scheduler, whatever the exit code its SIGTERM ended in
-            found.append(Failure(w, "Preempted", f"{w.name} was preempted: {w.preempted}", False))
+            found.append(WorkerFailure(w, "Preempted", f"{w.name} was preempted: {w.preempted}", False))
         elif w.phase == "Failed" and w.exit_code == EXIT_CHECKPOINTED:
-            found.append(Failure(w, "WorkerStopped", f"{w.name} stopped after a checkpoint (exit 75)", False))
+            found.append(
+                WorkerFailure(w, "WorkerStopped", f"{w.name} stopped after a checkpoint (exit 75)", False)
+            )
         elif w.phase == "Failed" and w.exit_code == EXIT_PEER_LOST:
             lost = contract.parse_peer_lost_line((w.message or "") + "\n" + p.obs.worker_logs.get(w.name, ""))
-            found.append(Failure(w, "PeerLost", f"{w.name} exited {EXIT_PEER_LOST} (peer lost)", True, lost))
+            found.append(
+                WorkerFailure(w, "PeerLost", f"{w.name} exited {EXIT_PEER_LOST} (peer lost)", True, lost)
+            )
         elif w.phase == "Failed":
             how = f"exit code {w.exit_code}" if w.exit_code is not None else (w.reason or "no exit code")
             said = contract.last_words(w.message or "") or contract.last_words(
                 p.obs.worker_logs.get(w.name, "")
             )
             found.append(
-                Failure(w, "WorkerFailed", f"{w.name} failed ({how})" + (f": {said}" if said else ""), True)
+                WorkerFailure(
+                    w, "WorkerFailed", f"{w.name} failed ({how})" + (f": {said}" if said else ""), True
+                )
             )
         elif w.deleting:
-            found.append(Failure(w, "WorkerDeleted", f"{w.name} was deleted", True))
+            found.append(WorkerFailure(w, "WorkerDeleted", f"{w.name} was deleted", True))
     return found
 
 
-def stalled_gang(p: ReconcilePass, current: Sequence[Worker], size: int) -> Failure | None:
+def stalled_gang(p: ReconcilePass, current: Sequence[Worker], size: int) -> WorkerFailure | None:
     """A running gang whose step has not advanced for progressDeadlineSeconds, as a failure."""
     deadline = p.job.progress_deadline_seconds
     since = running_gang(p, current, size)
@@ -91,10 +97,10 @@ def stalled_gang(p: ReconcilePass, current: Sequence[Worker], size: int) -> Fail
         f"step {p.status.get('step', 0)} has not advanced for {stalled:.0f}s "
         f"(elastic.progressDeadlineSeconds={deadline})"
     )
-    return Failure(rank0, "ProgressDeadlineExceeded", message, True)
+    return WorkerFailure(rank0, "ProgressDeadlineExceeded", message, True)
 
 
-def failed_at(p: ReconcilePass, failures: Sequence[Failure]) -> datetime | None:
+def failed_at(p: ReconcilePass, failures: Sequence[WorkerFailure]) -> datetime | None:
     """When the first of `failures` happened, where the pods or nodes say: a container's end, a
     node's NotReady, the last step of a stalled gang (None: not known)."""
     moments: list[datetime] = []
@@ -110,7 +116,7 @@ def failed_at(p: ReconcilePass, failures: Sequence[Failure]) -> datetime | None:
     return min(moments, default=None)
 
 
-def describe(p: ReconcilePass, failures: Sequence[Failure]) -> str:
+def describe(p: ReconcilePass, failures: Sequence[WorkerFailure]) -> str:
     """One message for the failures of a pass; the survivors of a lost peer are summed up under
     the rank they name, and beyond LISTED failures the rest are counted, not listed."""
     parts = [f.message for f in failures if f.reason != "PeerLost"]

@@ -48,7 +48,7 @@ from dtjob.operator.nodes import silent_deletion
 from dtjob.operator.observed import Observed, WorkerCache
 from dtjob.operator.progress import TrainerProgress
 from dtjob.operator.rawapi import RawApi, quoted
-from dtjob.operator.scrape import Scraper, Target
+from dtjob.operator.scrape import Scraper, ScrapeTarget
 from dtjob.operator.settings import ObserverSettings
 from dtjob.operator.writer import ActionFailed, JobChanged, JobWriter, Outcome, log_pod_writes
 
@@ -311,7 +311,7 @@ class Kube:
             ip = (pod.get("status") or {}).get("podIP")
             uid = str((pod.get("metadata") or {}).get("uid") or "")
             if w.phase == "Running" and ip:
-                target = Target(uid, f"http://{ip}:{job.metrics_port}/metrics")
+                target = ScrapeTarget(uid, f"http://{ip}:{job.metrics_port}/metrics")
                 deadline = job.progress_deadline_seconds
                 return self.scraper.latest((job.namespace, job.name), target, deadline)
         self.scraper.forget((job.namespace, job.name))  # no rank 0 runs: nothing to scrape

@@ -41,14 +41,14 @@ JobKey = tuple[str, str]
 
 
 @dataclass(frozen=True)
-class Target:
+class ScrapeTarget:
     uid: str
     url: str
 
 
 @dataclass
 class _State:
-    target: Target
+    target: ScrapeTarget
     progress_deadline: float | None = None
     result: TrainerProgress | None = None
     answered: bool = False
@@ -138,7 +138,7 @@ class Scraper:
         self._pool = ThreadPoolExecutor(settings.scrape_workers, thread_name_prefix="scrape")
 
     def latest(
-        self, job: JobKey, target: Target, progress_deadline: float | None = None
+        self, job: JobKey, target: ScrapeTarget, progress_deadline: float | None = None
     ) -> TrainerProgress | None:
         """What `target` last answered (None: nothing yet, or it never answered); schedules a
         scrape when one is due (at least every progress_deadline / 4 s, when given)."""

@@ -40,7 +40,7 @@ STOP_TIMEOUT_SECONDS = contract.Liveness().stop_timeout_seconds
 
 
 @dataclass(frozen=True)
-class Failure:
+class TrainerExit:
     """A trainer process that failed: its pod, the round it ran in, its global rank, exit code."""
 
     pod: int
@@ -91,7 +91,7 @@ class GangState:
     liveness: contract.Liveness = field(default_factory=contract.Liveness)
 
 
-def decide(state: GangState, failure: Failure, now: float) -> Restart | GiveUp | Ignore:
+def decide(state: GangState, failure: TrainerExit, now: float) -> Restart | GiveUp | Ignore:
     """Restart the gang in place after `failure`, give up on that, or ignore it. Pure."""
     if failure.round != state.round or state.restarting:
         return Ignore()
@@ -180,7 +180,7 @@ class Coordinator:
             elif isinstance(message, protocol.Terminating):
                 self.state.terminating.add(message.pod)
             elif isinstance(message, protocol.Failed):
-                self._failed(Failure(message.pod, message.round, message.rank, message.code), now)
+                self._failed(TrainerExit(message.pod, message.round, message.rank, message.code), now)
             elif isinstance(message, protocol.Stopped) and message.round == self.state.round:
                 self._stopped.add(message.pod)
                 if self.state.restarting and len(self._stopped) == self.state.pods:
@@ -189,7 +189,7 @@ class Coordinator:
                     log.warning("dtjob-coordinator: round %d starts: %s", self.state.round, self._cause)
                     self._broadcast(protocol.Start(self.state.round, self._cause))
 
-    def _failed(self, failure: Failure, now: float) -> None:
+    def _failed(self, failure: TrainerExit, now: float) -> None:
         decision = decide(self.state, failure, now)
         if isinstance(decision, Ignore):
             return

@@ -47,7 +47,7 @@ def child_env(environ: Mapping[str, str], local_rank: int) -> dict[str, str]:
 class Standby:
     """One warm standby process (see dtjob.launcher.standby), ready once it has imported torch."""
 
-    def __init__(self, target: standby.Target, command: Sequence[str], env: Mapping[str, str]) -> None:
+    def __init__(self, target: standby.PythonCommand, command: Sequence[str], env: Mapping[str, str]) -> None:
         ready_r, ready_w = os.pipe()
         # SPT_NOENV: its new process title must not overwrite /proc/PID/environ.
         self.proc = subprocess.Popen(

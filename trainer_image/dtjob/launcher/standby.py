@@ -56,7 +56,7 @@ _PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
-class Target:
+class PythonCommand:
     """What a standby runs in-process: `module` (python -m) or `script`, with `args`."""
 
     interpreter: str
@@ -66,7 +66,7 @@ class Target:
     unbuffered: bool = False
 
 
-def parse(command: Sequence[str]) -> Target | None:
+def parse(command: Sequence[str]) -> PythonCommand | None:
     """The in-process form of `command`; None when it is not `python [-u] -m MODULE ...` or
     `python [-u] SCRIPT ...` (other interpreter options, another program: no standby)."""
     if not command or not _PYTHON.fullmatch(os.path.basename(command[0])):
@@ -80,10 +80,10 @@ def parse(command: Sequence[str]) -> Target | None:
     if command[i] == "-m":
         if i + 1 >= len(command):
             return None
-        return Target(command[0], command[i + 1], None, tuple(command[i + 2 :]), unbuffered)
+        return PythonCommand(command[0], command[i + 1], None, tuple(command[i + 2 :]), unbuffered)
     if command[i].startswith("-"):
         return None
-    return Target(command[0], None, command[i], tuple(command[i + 1 :]), unbuffered)
+    return PythonCommand(command[0], None, command[i], tuple(command[i + 1 :]), unbuffered)
 
 
 def _die_with_parent() -> None:
@@ -122,7 +122,7 @@ def _retitle(words: Sequence[str]) -> None:
     setproctitle.setproctitle(" ".join(words))
 
 
-def run(target: Target) -> None:
+def run(target: PythonCommand) -> None:
     """Run the target as `__main__` (its SystemExit, if any, propagates)."""
     if target.unbuffered:
         for stream in (sys.stdout, sys.stderr):

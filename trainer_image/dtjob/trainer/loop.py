@@ -20,7 +20,7 @@ from dtjob.trainer import build
 from dtjob.trainer.config import ConfigError, TrainerConfig
 from dtjob.trainer.elastic import Gang
 from dtjob.trainer.flops import flops_per_token, peak_flops
-from dtjob.trainer.schedule import WarmupCosine
+from dtjob.trainer.lr_schedule import WarmupCosine
 from dtjob.trainer.session import ElasticSession
 
 log = logging.getLogger("dtjob.trainer")

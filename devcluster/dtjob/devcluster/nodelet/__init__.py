@@ -8,7 +8,7 @@ manager.py     watches the node's pods, starts workers, deletions, NodeLost afte
 pods.py        one pod's life: volumes, sandbox, (init) containers, restarts, status, SIGTERM
 status.py      container statuses and pod conditions
 sandbox.py     netns, veth, pod IP, /etc/netns files, the launch command line
-launcher.py    runs inside the pod's namespaces: mounts, hostname, user, exec
+container_init.py runs inside the pod's namespaces: mounts, hostname, user, exec
 env.py         env (fieldRef, configMap/secret refs), $(VAR) expansion, command line
 volumes.py     emptyDir, hostPath, PVC, configMap, secret, downwardAPI, projected token
 dns.py         cluster names in every pod's /etc/hosts (from headless Services' endpoints)

@@ -21,7 +21,7 @@ from dtjob.devcluster.nodelet.state import NodeState, write_json
 log = logging.getLogger(__name__)
 
 ETC_NETNS = Path("/etc/netns")
-LAUNCHER = Path(__file__).with_name("launcher.py")
+CONTAINER_INIT = Path(__file__).with_name("container_init.py")
 # What every container runs with and must still see after its volumes are mounted (an emptyDir at
 # /tmp would hide a checkout under /tmp): the Python installation, the venv, and the checkout
 # whose sources the editable install points at (this file is <checkout>/devcluster/dtjob/...).
@@ -113,14 +113,14 @@ def update_hosts(netns: str, text: str) -> None:
 def launch_argv(netns: str, plan: Path) -> list[str]:
     """The command that runs a container: in the pod's netns (which mounts its hosts and
     resolv.conf), in a private mount namespace (volumes are bind-mounted there and nowhere else)
-    and its own UTS namespace (the pod's hostname), the launcher applies `plan` and execs the
-    container's command. The launcher is a stdlib-only script run with -I -S: it starts fast and
+    and its own UTS namespace (the pod's hostname), container_init.py applies `plan` and execs the
+    container's command. container_init.py is a stdlib-only script run with -I -S: it starts fast and
     ignores the caller's PYTHON* variables."""
     # fmt: off
     return [
         "ip", "netns", "exec", netns,
         "unshare", "--mount", "--uts", "--propagation", "private",
-        sys.executable, "-I", "-S", str(LAUNCHER), str(plan),
+        sys.executable, "-I", "-S", str(CONTAINER_INIT), str(plan),
     ]
     # fmt: on
 

@@ -4,7 +4,7 @@ nodelet was SIGKILLed) can find and remove everything a pod left behind.
     pods/<uid>/sandbox.json           {"netns", "veth", "ip"}: written before the netns exists
     pods/<uid>/procs/<container>.json {"pid", "start"}: one per running container process
     pods/<uid>/volumes/<name>/        emptyDir, configMap, secret and projected volume contents
-    pods/<uid>/plans/<container>.json the launcher's instructions
+    pods/<uid>/plans/<container>.json container_init.py's instructions
     podlogs/<uid>/<container>/<n>.log stdout+stderr of the container's n-th run (n = restartCount)
 """
 

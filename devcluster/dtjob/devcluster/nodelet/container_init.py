@@ -1,6 +1,6 @@
 """Runs inside a pod's namespaces (see sandbox.launch_argv) and becomes the container's process.
 
-    python -I -S launcher.py PLAN.json
+    python -I -S container_init.py PLAN.json
 
 PLAN: {"hostname", "mounts": [{"source", "target", "readOnly"}], "keep": [...], "env": {...},
 "workingDir", "runAsUser", "runAsGroup", "supplementalGroups", "argv": [...]}. It sets the
