@@ -12,9 +12,11 @@ own. From then on the gang is superseded as soon as `.owner` names anything else
   over and exits EXIT_STALE_GENERATION (its peers follow: rank 0's store is gone, EXIT_PEER_LOST).
 
 A gang that finds a later generation of its own job in `.owner` when it starts is stale from the
-start (`StaleGenerationError`). A claim of another job (a job deleted and created again over the
-same volume, or two jobs given one directory) is taken over, with a warning naming it: the newest
-claim wins, and the other job's gang is superseded.
+start (`StaleGenerationError`). A claim of another job is taken over, with a warning naming it:
+the newest claim wins, and the other job's gang is superseded. That is meant for a job deleted and
+created again over the same volume; two live jobs of one namespace never get here, because the
+operator holds the younger one until the owner is done (dtjob.operator.ownership). Two namespaces
+sharing one hostPath or NFS directory still do.
 
 The check before the rename and the rename are two steps: a claim landing between them (well
 under a millisecond) lets one last checkpoint of the old gang through, of the same history. Off
