@@ -33,7 +33,7 @@ from tests.e2e.step_clock import StepClock, gang_changes, kept_seconds, redone_s
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-PERIOD = 0.3  # seconds per step: 40 steps of stepping in 12 s, the rest is the gangs' starts
+PERIOD = 0.4  # seconds per step: 40 steps in 16 s of stepping; the rest is the gangs' starts
 SECOND = 1.0  # the tolerance on a downtime: whole-second timestamps and a scrape a second
 GOODPUT_POINTS = 0.05  # goodput within 5 points of the log's (kept-step time over wall time)
 
@@ -133,34 +133,40 @@ def test_a_sigkill_and_a_planned_scale_down_show_on_the_job_as_the_log_saw_them(
 
 
 def test_the_eta_of_a_steady_job_is_within_a_fifth_of_the_time_left(op: Operator) -> None:
-    name, steps, read_at = "steady", 60, 20
+    # The operator's samples are whole seconds about a second apart: an interval of 1.4 s read
+    # as 2 s makes its rate 30 % slow, and the ETA follows that by RATE_WEIGHT (0.3). With such
+    # jitter in the passes, one reading at a third of the job was past 20 % in about 1 run in 10
+    # (a simulation of the sampling); the median of the readings over the middle third is not.
+    name, steps, first, last = "steady", 60, 20, 40
     apply(job_manifest(op, name, replicas=2, steps=steps, gate=0))
+    readings: list[tuple[float, float]] = []  # (when read, the ETA shown) in unix seconds
     with clock(op, name, limit=steps) as steps_seen:
-        steps_seen.wait_step(read_at)
-        shown: dict[str, Any] = {}
-
-        def eta_shown() -> bool:
-            shown.update(status(op, name))
-            return int(shown.get("step") or 0) >= read_at and bool(shown.get("eta"))
-
-        wait_for("an ETA on the status", eta_shown, timeout=30, interval=0.2)
-        read = time.time()
-        eta = from_rfc3339(shown["eta"])
+        steps_seen.wait_step(first)
+        deadline = time.monotonic() + 120
+        while steps_seen.lines()[-1].step < last:
+            assert time.monotonic() < deadline, f"step {last} not logged within 120 s"
+            eta = from_rfc3339(status(op, name).get("eta"))
+            if eta is not None:
+                readings.append((time.time(), eta.timestamp()))
+            time.sleep(0.5)
         done = wait_phase(op, name, "Succeeded")
     log = steps_seen.lines()
-    assert eta is not None and [s.step for s in log] == list(range(1, steps + 1)), log
+    assert [s.step for s in log] == list(range(1, steps + 1)), log
     finished = log[-1].at  # when the last step was logged: what the ETA foretells
-    left = finished - read
-    assert abs(eta.timestamp() - finished) <= 0.2 * left, f"eta {shown['eta']}, finished {left:.1f}s after"
+    errors = sorted(abs(eta - finished) / (finished - read) for read, eta in readings)
+    assert len(errors) >= 5, f"{len(errors)} readings of status.eta over steps {first}-{last}"
+    median = errors[len(errors) // 2]
+    assert median <= 0.2, f"ETA errors over the time left: {[round(e, 3) for e in errors]}"
 
-    assert "recoveries" not in done or not done["recoveries"]
+    assert not done.get("recoveries"), done.get("recoveries")
     ratio, expected = done["goodput"]["ratio"], log_goodput(done, kept_seconds(log))
     assert 0 < ratio < 1 and abs(ratio - expected) <= GOODPUT_POINTS, f"goodput {ratio}, log's {expected}"
     record(
         {
             "measure": "eta_error_of_time_left",
-            "value": round((eta.timestamp() - finished) / left, 3),
-            "time_left_seconds": round(left, 1),
+            "median": round(median, 3),
+            "max": round(errors[-1], 3),
+            "readings": len(errors),
             "goodput": ratio,
             "log_goodput": round(expected, 4),
         }
