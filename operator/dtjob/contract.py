@@ -79,6 +79,7 @@ ENV_PERMANENT_EXIT_CODES = "DTJOB_PERMANENT_EXIT_CODES"
 # so far, and what failed before the last one ("rank 1 (pod 1) exited 137 (SIGKILL)").
 ENV_IN_PLACE_RESTARTS = "DTJOB_IN_PLACE_RESTARTS"
 ENV_RESTART_CAUSE = "DTJOB_RESTART_CAUSE"
+ENV_RESTART_FAILED_AT = "DTJOB_RESTART_FAILED_AT"
 
 # --- metrics (gauges) --------------------------------------------------------------------------
 METRIC_STEP = "dtjob_trainer_step"
@@ -90,6 +91,10 @@ METRIC_WORLD_SIZE = "dtjob_trainer_world_size"
 METRIC_GENERATION = "dtjob_trainer_generation"
 # DTJOB_IN_PLACE_RESTARTS of the trainer, with its DTJOB_RESTART_CAUSE as the label `cause`.
 METRIC_IN_PLACE_RESTARTS = "dtjob_trainer_in_place_restarts"
+# DTJOB_RESTART_FAILED_AT: when the failure before the last restart in place was seen (unix
+# seconds), so that the job's recovery counts its downtime from the failure, not from the first
+# scrape of the new rank 0 (1-2 s later: the restart itself).
+METRIC_IN_PLACE_RESTART_FAILED_AT = "dtjob_trainer_in_place_restart_failed_at_seconds"
 # Progress for the job's status.progress and eta (#43): the run's total steps, and rank 0's last
 # step's global tokens per second and MFU (0..1, absent when the device's peak is unknown).
 METRIC_TOTAL_STEPS = "dtjob_trainer_total_steps"
@@ -337,6 +342,7 @@ class PodEnv:
     permanent_exit_codes: frozenset[int] = _var(ENV_PERMANENT_EXIT_CODES, frozenset(), _CODES)
     in_place_restarts: int = _var(ENV_IN_PLACE_RESTARTS, 0, _COUNT)
     restart_cause: str = _var(ENV_RESTART_CAUSE, "", _TEXT)
+    restart_failed_at: float | None = _var(ENV_RESTART_FAILED_AT, None, _SECONDS)  # unix seconds
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] = os.environ) -> PodEnv:
@@ -429,6 +435,7 @@ ENVIRONMENT: dict[str, tuple[str, str]] = {
     ENV_PERMANENT_EXIT_CODES: ("operator", "exit codes never restarted in place (comma list)"),
     ENV_IN_PLACE_RESTARTS: ("agent", "restarts in place of this generation so far"),
     ENV_RESTART_CAUSE: ("agent", "what failed before the last restart in place"),
+    ENV_RESTART_FAILED_AT: ("agent", "when that failure was seen (unix seconds)"),
 }
 
 EXIT_CODES: dict[int, str] = {
@@ -449,6 +456,7 @@ METRICS: dict[str, str] = {
     METRIC_WORLD_SIZE: "processes in the gang",
     METRIC_GENERATION: "the gang's generation (DTJOB_GENERATION)",
     METRIC_IN_PLACE_RESTARTS: "DTJOB_IN_PLACE_RESTARTS, label `cause` = DTJOB_RESTART_CAUSE",
+    METRIC_IN_PLACE_RESTART_FAILED_AT: "DTJOB_RESTART_FAILED_AT (absent before the first restart in place)",
     METRIC_TOTAL_STEPS: "the run's total steps (absent: not known to the trainer)",
     METRIC_TOKENS_PER_SECOND: "tokens per second over the recent steps",
     METRIC_MFU: "model FLOPs utilization, 0..1 (absent: the device's peak is unknown)",

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -113,6 +114,7 @@ def test_a_killed_trainer_restarts_in_place_and_continues_the_same_trajectory(tm
         standbys = {pid: _standbys(pid, ready=True)[0] for pid in pids}
         victim = _trainers(pids[1])
         assert len(victim) == 1
+        killed_at = time.time()
         os.kill(victim[0], signal.SIGKILL)
         wait_for(lambda: all(_trainers(pid) == [standbys[pid]] for pid in pids), "trainers from the standbys")
         wait_for(
@@ -124,6 +126,9 @@ def test_a_killed_trainer_restarts_in_place_and_continues_the_same_trajectory(tm
             ),
             "rank 0 reporting its restart in place",
         )
+        # ... and when the agents saw the failure, for the job's downtime (a few ms after the kill)
+        failed_at = (scrape(metrics_port) or {}).get(contract.METRIC_IN_PLACE_RESTART_FAILED_AT)
+        assert failed_at is not None and killed_at <= failed_at <= time.time(), (killed_at, failed_at)
         gate.write_text("12")
         codes = agents.wait()
         assert codes == [0, 0], agents.stderr()

@@ -35,6 +35,7 @@ FULL = {
     contract.ENV_PERMANENT_EXIT_CODES: "2, 126,127",
     contract.ENV_IN_PLACE_RESTARTS: "1",
     contract.ENV_RESTART_CAUSE: "rank 1 (pod 0) exited 137 (SIGKILL)",
+    contract.ENV_RESTART_FAILED_AT: "1796198400.25",
 }
 
 
@@ -68,6 +69,7 @@ def test_every_variable_is_read_typed() -> None:
         permanent_exit_codes=frozenset({2, 126, 127}),
         in_place_restarts=1,
         restart_cause="rank 1 (pod 0) exited 137 (SIGKILL)",
+        restart_failed_at=1796198400.25,
     )
     assert env.value(contract.ENV_HEARTBEAT_TIMEOUT) == 2.5
 

@@ -174,6 +174,40 @@ def test_a_restart_in_place_is_a_recovery_closed_when_the_gang_steps_again() -> 
     assert (job["status"]["goodput"]["stepsRedone"], job["status"]["goodput"]["keptSeconds"]) == (5, 17.0)
 
 
+def test_a_restart_in_place_counts_its_downtime_from_the_failure_the_agents_saw() -> None:
+    """Rank 0's DTJOB_RESTART_FAILED_AT (served as a gauge, parsed from the exposition text) moves
+    the recovery's start back to the failure: 4 s of restart before the operator saw the new gang."""
+    job = accounted_job(elastic={"restartInPlace": True})
+    job, _ = step(job, 10, trainer(10, 0))
+    job, _ = step(job, 20, trainer(20, 15))
+    text = (
+        f"{contract.METRIC_STEP} 17.0\n{contract.METRIC_LAST_CHECKPOINT_STEP} 15.0\n"
+        f"{contract.METRIC_LAST_CHECKPOINT_TIME} {at(0).timestamp()}\n"
+        f'{contract.METRIC_IN_PLACE_RESTARTS}{{cause="rank 1 (pod 1) exited 137 (SIGKILL)"}} 1.0\n'
+        f"{contract.METRIC_IN_PLACE_RESTART_FAILED_AT} {at(26).timestamp()}\n"
+    )
+    progress = parse_trainer_metrics(text)
+    assert progress.restart_failed_at == at(26).timestamp()
+    job, _ = step(job, 30, progress)
+    record = job["status"]["recoveries"][-1]
+    assert (record["reason"], record["detectionSeconds"]) == ("InPlace", 4.0)
+    job, _ = step(job, 40, trainer(27, 15, in_place=1, cause="rank 1 (pod 1) exited 137 (SIGKILL)"))
+    assert job["status"]["recoveries"][-1]["downtimeSeconds"] == 14.0, "from the failure at 26 s to 40 s"
+
+
+def test_an_unset_failure_time_gauge_reads_as_unknown_and_a_pod_clock_ahead_is_clamped() -> None:
+    assert (
+        parse_trainer_metrics(f"{contract.METRIC_IN_PLACE_RESTART_FAILED_AT} 0.0\n").restart_failed_at is None
+    )
+    job = accounted_job(elastic={"restartInPlace": True})
+    job, _ = step(job, 20, trainer(20, 15))
+    ahead = TrainerProgress(
+        **{**trainer(17, 15, in_place=1, cause="x").__dict__, "restart_failed_at": at(35).timestamp()}
+    )
+    job, _ = step(job, 30, ahead)
+    assert job["status"]["recoveries"][-1]["detectionSeconds"] == 0.0, "never a failure after the pass"
+
+
 def test_a_job_without_accounts_gets_no_new_fields_and_a_new_job_starts_them() -> None:
     old = make_job(status=running_status(since=0))
     patch = status_patch(run(old, gang(4), two_nodes(), now=20, progress=trainer(15, 10)))

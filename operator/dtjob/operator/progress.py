@@ -43,6 +43,7 @@ class TrainerProgress:
     # Restarts in place of this generation before rank 0 started, and what failed before the last.
     in_place_restarts: int | None = None
     restart_cause: str | None = None
+    restart_failed_at: float | None = None  # unix seconds
     # The run's total steps, and the global tokens/s and MFU of rank 0's last step (#43).
     total_steps: int | None = None
     tokens_per_second: float | None = None

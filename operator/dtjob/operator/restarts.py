@@ -49,12 +49,16 @@ def new_generation(
             p.event("Rescale", f"world size {old_size} -> {size}: {message}")
 
 
-def count_in_place(p: ReconcilePass, seen: int, cause: str | None, account: bool = True) -> None:
+def count_in_place(
+    p: ReconcilePass, seen: int, cause: str | None, account: bool = True, failed_at: datetime | None = None
+) -> None:
     """Restarts in place of the current generation (elastic.restartInPlace): those not counted yet
     go into status.restarts, with a Warning event. `seen` comes from rank 0's metrics, or from the
     last line of a failed pod's agent (which rank 0's metrics may not have shown yet). `account`:
     a recovery on the job's status; not for an agent's last line, whose gang failed for good after
-    restarts whose cost nothing shows (a record would close at once, 0 s down)."""
+    restarts whose cost nothing shows (a record would close at once, 0 s down). `failed_at`: when
+    the pods' agents saw the failure (rank 0's DTJOB_RESTART_FAILED_AT): the recovery's downtime
+    runs from then, not from this pass."""
     counted = int(p.status.get("inPlaceRestarts") or 0)
     if seen <= counted:
         return
@@ -65,7 +69,7 @@ def count_in_place(p: ReconcilePass, seen: int, cause: str | None, account: bool
         p.actions.append(CountRestart("InPlace"))
     if account:
         size = int(p.status.get("replicas") or 0)
-        restarted(p, "InPlace", None, recoveries.exit_code_in(cause), planned=False, size_before=size)
+        restarted(p, "InPlace", failed_at, recoveries.exit_code_in(cause), planned=False, size_before=size)
     why = f": {cause}" if cause else ""
     p.event(
         "RestartedInPlace",

@@ -65,6 +65,7 @@ TRAINER_GAUGES = {
     contract.METRIC_TOTAL_STEPS: "total_steps",
     contract.METRIC_TOKENS_PER_SECOND: "tokens_per_second",
     contract.METRIC_MFU: "mfu",
+    contract.METRIC_IN_PLACE_RESTART_FAILED_AT: "restart_failed_at",
 }
 
 
@@ -107,6 +108,7 @@ def parse_trainer_metrics(text: str) -> TrainerProgress:
         checkpoint_failures=int(values["checkpoint_failures"]) if "checkpoint_failures" in values else None,
         in_place_restarts=in_place,
         restart_cause=cause or None,
+        restart_failed_at=values.get("restart_failed_at") or None,  # an unset gauge reads 0
         total_steps=int(values["total_steps"]) if "total_steps" in values else None,
         tokens_per_second=values.get("tokens_per_second"),
         mfu=values.get("mfu"),

@@ -34,7 +34,10 @@ def read_metrics(p: ReconcilePass) -> None:
     if progress.checkpoint_failures is not None:
         _track_checkpoint_writes(p, progress.checkpoint_failures)
     if progress.in_place_restarts is not None:
-        count_in_place(p, progress.in_place_restarts, progress.restart_cause)
+        failed_at = None
+        if progress.restart_failed_at is not None:  # never after now: a pod's clock may run ahead
+            failed_at = min(datetime.fromtimestamp(progress.restart_failed_at, UTC), p.now)
+        count_in_place(p, progress.in_place_restarts, progress.restart_cause, failed_at=failed_at)
     recovered(p, accounting.sample(p.status, progress, p.now))
 
 

@@ -278,6 +278,7 @@ class Agent:
 
     def _restart(self, round_: int, cause: str) -> int | None:
         """Kill this round's trainers, tell the coordinator, and start the next round when it says."""
+        failed_at = time.time()  # milliseconds after the failure: this pod's or the coordinator's stop
         self.local.kill()
         assert self.link is not None
         self.link.send(protocol.Stopped(self.settings.pod, round_))
@@ -294,7 +295,11 @@ class Agent:
             if isinstance(answer, protocol.Start):
                 self.round = answer.round
                 cause = answer.cause or cause
-                env = {contract.ENV_IN_PLACE_RESTARTS: str(self.round), contract.ENV_RESTART_CAUSE: cause}
+                env = {
+                    contract.ENV_IN_PLACE_RESTARTS: str(self.round),
+                    contract.ENV_RESTART_CAUSE: cause,
+                    contract.ENV_RESTART_FAILED_AT: f"{failed_at:.3f}",
+                }
                 warm = self.local.start(env)
                 self._say(f"restart in place {self.round}: {cause} ({warm} of {self.settings.nproc} "
                           "trainers from warm standbys)")  # fmt: skip

@@ -38,6 +38,11 @@ class TrainerMetrics:
             ("cause",),
             registry=r,
         )
+        self.in_place_restart_failed_at = Gauge(
+            contract.METRIC_IN_PLACE_RESTART_FAILED_AT,
+            "when the failure before the last restart in place was seen (DTJOB_RESTART_FAILED_AT)",
+            registry=r,
+        )
         self.last_checkpoint_step = Gauge(
             contract.METRIC_LAST_CHECKPOINT_STEP,
             "step of the newest checkpoint written or loaded",

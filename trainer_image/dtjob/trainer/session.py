@@ -138,6 +138,8 @@ class ElasticSession:
         # Restarts in place of this generation before this process (dtjob.launcher's agents).
         self.in_place_restarts = env.in_place_restarts
         self.metrics.in_place_restarts.labels(env.restart_cause).set(self.in_place_restarts)
+        if env.restart_failed_at is not None:
+            self.metrics.in_place_restart_failed_at.set(env.restart_failed_at)
         if port:
             try:
                 self.metrics.serve(port + g.local_rank)
