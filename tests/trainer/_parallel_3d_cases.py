@@ -2,7 +2,9 @@
 
 A "train" case: model ("hf-gpt2" | "hf-llama" | "encoder": the T5-like encoder below, with its own
 plan), dp, tp, pp (the mesh), zero (fully_shard's stage over the DP group when pp == 1), clip
-(max gradient norm, or None), steps. Every rank builds the mesh, splits the model over mesh.tp and
+(max gradient norm, or None), steps; wrapper "ddp" for data_parallel over mesh.dp; save_to (a
+directory: a TrainState checkpoint after the last step), load_from and start_step (resume from
+one). Every rank builds the mesh, splits the model over mesh.tp and
 wraps it (fully_shard over mesh.dp, or pipeline over mesh.dp_pp), trains with AdamW and returns its
 losses and full_state_dict. `reference(case)` trains the unwrapped model in one process on the
 same global batches. "mesh" and "errors" cases return the mesh's groups and the refusals' messages.
@@ -147,7 +149,7 @@ def reference(case: dict[str, Any]) -> tuple[list[float], dict[str, torch.Tensor
 
 
 def _wrap(case: dict[str, Any], m: Any) -> nn.Module:
-    from dtjob.trainer import fully_shard, pipeline, tensor_parallel
+    from dtjob.trainer import data_parallel, fully_shard, pipeline, tensor_parallel
 
     plan = ENCODER_PLAN if case["model"] == "encoder" else "auto"
     model = tensor_parallel(build(case), plan, group=m.tp)
@@ -159,18 +161,24 @@ def _wrap(case: dict[str, Any], m: Any) -> nn.Module:
                 return encoder_loss(logits, targets, m.tp)
 
         return pipeline(model, stages=case["pp"], microbatches=2, loss_fn=loss_fn, group=m.dp_pp)
+    if case.get("wrapper") == "ddp":
+        return data_parallel(model, group=m.dp)
     return fully_shard(model, zero_stage=case["zero"], group=m.dp)
 
 
 def _train(case: dict[str, Any]) -> dict[str, Any]:
     from dtjob.trainer import full_state_dict, mesh
+    from dtjob.trainer.train_state import TrainState
 
     m = mesh(dp=case["dp"], tp=case["tp"], pp=case["pp"])
     wrapped: Any = _wrap(case, m)
     opt = tp_cases.optimizer(wrapped)
+    checkpoint = TrainState(wrapped, opt) if "save_to" in case or "load_from" in case else None
+    if checkpoint is not None and "load_from" in case:
+        harness._load_checkpoint(checkpoint, case["load_from"])
     losses: list[float] = []
     norms: list[float] = []
-    for step in range(case.get("steps", 10)):
+    for step in range(case.get("start_step", 0), case.get("steps", 10)):
         inputs, targets = (t.chunk(m.dp_size)[m.dp_rank] for t in batch(case, step))
         if case["pp"] > 1:
             hf = case["model"] != "encoder"
@@ -189,6 +197,10 @@ def _train(case: dict[str, Any]) -> dict[str, Any]:
         opt.step()
         opt.zero_grad()
         losses.append(float(loss))
+    if checkpoint is not None and "save_to" in case:  # as the harness's cases save theirs
+        saved = {"shards": harness._shards_to_plain(checkpoint), "extra": checkpoint.extra_state()}
+        os.makedirs(case["save_to"], exist_ok=True)
+        torch.save(saved, os.path.join(case["save_to"], f"rank{dist.get_rank()}.pt"))
     return {"losses": losses, "norms": norms, "state": full_state_dict(wrapped)}
 
 

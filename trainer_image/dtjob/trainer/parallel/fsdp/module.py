@@ -64,7 +64,7 @@ from dtjob.trainer.parallel.fsdp.flat import FlatUnit
 from dtjob.trainer.parallel.fsdp.grad_flags import GradFlags
 from dtjob.trainer.parallel.fsdp.unshard import Unsharding
 from dtjob.trainer.parallel.shards import LocalShard
-from dtjob.trainer.parallel.tp.module import check_wrappable, refuse_checkpoint_shards, tp_state
+from dtjob.trainer.parallel.tp.module import check_wrappable, checkpoint_shards
 
 log = logging.getLogger("dtjob.trainer.parallel")
 
@@ -284,8 +284,9 @@ class FullyShardedModule(Unsharding, common.Wrapper):
 
     # -- checkpoints (parallel/shards.py) -------------------------------------------------------
     def local_shards(self) -> list[LocalShard]:
-        if tp_state(self.module) is not None:  # its pieces are of TP shards, not of the parameters
-            return refuse_checkpoint_shards()
+        return checkpoint_shards(self.module, self._local_shards())  # TP: TP-qualified names
+
+    def _local_shards(self) -> list[LocalShard]:
         self._sync_params()
         out = []
         for name, piece in self._pieces.items():
@@ -299,10 +300,9 @@ class FullyShardedModule(Unsharding, common.Wrapper):
         return out
 
     def local_buffers(self) -> list[LocalShard]:
-        if tp_state(self.module) is not None:
-            return refuse_checkpoint_shards()
         buffers = common.persistent_buffers(self.module)
-        return [LocalShard.from_replica0(n, b, self.comm.rank) for n, b in buffers.items()]
+        shards = [LocalShard.from_replica0(n, b, self.comm.rank) for n, b in buffers.items()]
+        return checkpoint_shards(self.module, shards)
 
     def after_load(self) -> None:
         for unit in self.units:

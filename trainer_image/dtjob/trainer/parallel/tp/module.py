@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -91,12 +92,38 @@ def mark_bucket_grads(model: nn.Module, grads: Iterable[tuple[nn.Parameter, torc
 
 
 def refuse_checkpoint_shards() -> list[LocalShard]:
-    """What a tensor-parallel model answers to the checkpoint code (TrainState): its shards are not
-    flat ranges of their parameters, which a checkpoint file holds."""
+    """What a tensor-parallel model answers to the checkpoint code (TrainState) where it is not
+    under data_parallel or fully_shard: which ranks replicate it is not known."""
     raise NotSupported(
-        "checkpoints of a tensor_parallel model (TrainState, ElasticSession) are not supported yet; "
-        "save full_state_dict(model) on rank 0 and load it into the unwrapped model before splitting"
+        "checkpoints of a tensor_parallel model on its own or under pipeline (TrainState, ElasticSession) "
+        "are not supported; wrap it with data_parallel or fully_shard over group=mesh(...).dp (one rank "
+        "is fine), or save full_state_dict(model) on rank 0 and load it into the unwrapped model"
     )
+
+
+def tp_checkpoint_name(name: str, rank: int, size: int) -> str:
+    """The checkpoint name of TP rank `rank`'s shard of parameter `name`: a global tensor of its own,
+    so a checkpoint resumes at any data-parallel size with the same TP size; another TP size finds
+    no such tensor (change it through full_state_dict)."""
+    return f"{name}#tp{rank}of{size}"
+
+
+def checkpoint_shards(model: nn.Module, shards: list[LocalShard]) -> list[LocalShard]:
+    """A data_parallel / fully_shard wrapper's local shards of a tensor_parallel model (each its
+    data-parallel piece of this TP rank's tensor) as checkpoint entries: a split parameter under
+    its TP-qualified name (tp_checkpoint_name), the replicated ones (and the buffers) written by TP
+    rank 0 only, so every element is written once."""
+    state = tp_state(model)
+    if state is None:
+        return shards
+    rank, size = state.comm.rank, state.comm.size
+    out = []
+    for shard in shards:
+        if shard.name in state.by_name:
+            out.append(dataclasses.replace(shard, name=tp_checkpoint_name(shard.name, rank, size)))
+        else:
+            out.append(shard if rank == 0 else dataclasses.replace(shard, write=(0, 0)))
+    return out
 
 
 def _resolve(model: nn.Module, plan: dict[str, str]) -> dict[str, tuple[nn.Module, str]]:
