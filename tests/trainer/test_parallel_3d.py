@@ -1,6 +1,7 @@
 """3-D parallelism against one process running the unwrapped model (fp32, AdamW, 10 steps, global
-batch of 4), world 4 on gloo: TP=2 x DP=2 with ZeRO-2 (and ZeRO-3) over the DP group, TP=2 x PP=2
-(TP inside each pipeline stage), for HF GPT-2 (tied vocab-split wte/lm_head), HF Llama and a
+batch of 4), on gloo: TP=2 x DP=2 with ZeRO-2 (and ZeRO-3) over the DP group, TP=2 x PP=2 (TP
+inside each pipeline stage), DP=2 x TP=2 x PP=2 (world 8); TrainState checkpoints resumed at
+another DP size; for HF GPT-2 (tied vocab-split wte/lm_head), HF Llama and a
 user's own T5-like encoder with an explicit plan; the mesh's groups; the refusals. Every case of
 one world runs in one spawned group (tests/trainer/_parallel_3d_cases.py)."""
 
@@ -137,6 +138,24 @@ def check(world: list[dict[str, Any]], case: dict[str, Any]) -> None:
 def test_checkpoint_resumes_at_another_dp_size(world2: list[dict[str, Any]], case: dict[str, Any]) -> None:
     """Steps 4-9 after the resume equal steps 4-9 of one process's uninterrupted run."""
     check(world2, {**case, "clip": None})
+
+
+THREE_D = [
+    {"name": "encoder-3d", "kind": "train", "model": "encoder", "dp": 2, "tp": 2, "pp": 2, "clip": 0.3},
+    {"name": "hf-gpt2-3d", "kind": "train", "model": "hf-gpt2", "dp": 2, "tp": 2, "pp": 2, "clip": None},
+]
+
+
+@pytest.fixture(scope="module")
+def world8() -> list[dict[str, Any]]:
+    """DP=2 x TP=2 x PP=2: each TP coordinate's pipeline has two replicas (world 8)."""
+    return run_3d_world(8, THREE_D)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", THREE_D, ids=[c["name"] for c in THREE_D])
+def test_dp2_tp2_pp2_equals_one_process(world8: list[dict[str, Any]], case: dict[str, Any]) -> None:
+    check(world8, case)
 
 
 @pytest.mark.slow
