@@ -105,7 +105,8 @@ def test_refused_plans_name_the_field(world2: list[dict[str, Any]]) -> None:
     assert "'blocks.0.ln1' is a LayerNorm" in errors["not_linear"]
     # Wrappers whose result would be silently wrong (rank 0's shards broadcast over the others).
     assert "holds ranks [0, 1] of one tensor-parallel group; pass group=" in errors["dp_over_tp_group"]
-    assert "fully_shard() of a tensor_parallel model is not supported" in errors["fully_shard"]
+    # fully_shard over the DP group is supported now (test_parallel_3d.py); over the world it mixes shards.
+    assert "fully_shard: its group holds ranks [0, 1] of one tensor-parallel group" in errors["fully_shard"]
     assert "save full_state_dict(model)" in errors["checkpoint"]
     assert "generate() of a tensor_parallel model" in errors["generate"]
 

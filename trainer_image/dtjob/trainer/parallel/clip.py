@@ -26,14 +26,35 @@ from torch.distributed.tensor import DTensor
 from dtjob.trainer.parallel.comm import Comm
 
 _ATTR = "_dtjob_norm_group"
+_SPLIT = "_dtjob_split_group"
 DUPLICATE = "duplicate"
 _original = torch_clip._get_total_norm
 
 
-def mark(grad: torch.Tensor, owner: Comm | str) -> torch.Tensor:
-    """Mark `grad` as one piece of a gradient spread over `owner`'s ranks (or DUPLICATE)."""
+def mark(grad: torch.Tensor, owner: Comm | str, split: Comm | None = None) -> torch.Tensor:
+    """Mark `grad` as one piece of a gradient spread over `owner`'s ranks (or DUPLICATE); `split`:
+    its parameter is itself a tensor_parallel shard, spread over that group too (a wrapper over a
+    TP model: fully_shard over the DP group, a pipeline over the stages)."""
     setattr(grad, _ATTR, owner)
+    if split is not None:
+        setattr(grad, _SPLIT, split)
     return grad
+
+
+def is_marked(grad: torch.Tensor) -> bool:
+    """Whether a wrapper marked `grad` already (its mark, set first, is the one that counts)."""
+    return getattr(grad, _ATTR, None) is not None
+
+
+def mark_split(param: torch.Tensor, tp: Comm) -> None:
+    """Record on a tensor_parallel shard the TP group its full parameter is spread over."""
+    setattr(param, _SPLIT, tp)
+
+
+def split_of(param: torch.Tensor) -> Comm | None:
+    """The TP group `param` is a shard over (mark_split), else None."""
+    split = getattr(param, _SPLIT, None)
+    return split if isinstance(split, Comm) else None
 
 
 def _p_sum(tensors: list[torch.Tensor], norm_type: float, foreach: bool | None) -> torch.Tensor:
@@ -68,13 +89,31 @@ def total_norm(
     spread = [t for t in listed if isinstance(getattr(t, _ATTR, None), Comm)]
     local = [t for t in listed if getattr(t, _ATTR, None) is None]
     device = spread[0].device
-    total = (
-        _p_sum(spread, norm_type, foreach) if spread else torch.zeros((), dtype=torch.float64, device=device)
-    )
-    total = total.reshape(1)
     inf = math.isinf(norm_type)
+    op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+    splits = {id(s): s for t in spread if isinstance(s := getattr(t, _SPLIT, None), Comm)}
+    if len(splits) > 1:
+        raise ValueError("clip_grad_norm_: the gradients belong to models split over different TP groups")
+    # Pieces of TP shards are summed over the owner's group, then over the TP group; the others
+    # (replicated on the TP ranks) over the owner's group only.
+    parts = [
+        [t for t in spread if getattr(t, _SPLIT, None) is not None],
+        [t for t in spread if getattr(t, _SPLIT, None) is None],
+    ]
+    sums = [
+        _p_sum(part, norm_type, foreach) if part else torch.zeros((), dtype=torch.float64, device=device)
+        for part in parts
+    ]
+    both = torch.stack([s.to(device) for s in sums])
     if comm.size > 1:
-        dist.all_reduce(total, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=comm.group)
+        dist.all_reduce(both, op=op, group=comm.group)
+    if splits:
+        split = next(iter(splits.values()))
+        if split.size > 1:
+            head = both[:1].clone()
+            dist.all_reduce(head, op=op, group=split.group)
+            both[:1] = head
+    total = (both.max() if inf else both.sum()).reshape(1)
     if local:
         mine = _p_sum(local, norm_type, foreach).to(device).reshape(1)
         total = torch.maximum(total, mine) if inf else total + mine
@@ -91,9 +130,10 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     if not isinstance(t, DTensor):
         return t
     local = t.to_local()
-    owner = getattr(t, _ATTR, None)
-    if owner is not None:
-        setattr(local, _ATTR, owner)
+    for attr in (_ATTR, _SPLIT):
+        value = getattr(t, attr, None)
+        if value is not None:
+            setattr(local, attr, value)
     return local
 
 

@@ -189,3 +189,36 @@ def control_group() -> dist.ProcessGroup | None:
         assert group is not None
         _CONTROL[key] = group
     return _CONTROL[key]
+
+
+class GroupMaker:
+    """Subgroups of a wrapper's group, made on every rank of the world (dist.new_group's rule).
+
+    A wrapper over `group` (a pipeline over mesh().dp_pp) names its subgroups by group ranks; the
+    world runs one such wrapper per copy of the group (per TP coordinate), each with its own
+    ranks, so every rank creates each subgroup for every copy, copies in order of their first
+    rank, and keeps its own. The copies are learnt with one all_gather_object over the world."""
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        world = dist.get_world_size()
+        if group is None:
+            self.copies = [list(range(world))]
+            return
+        mine = [dist.get_global_rank(group, r) for r in range(dist.get_world_size(group))]
+        every: list[Any] = [None] * world
+        dist.all_gather_object(every, mine, group=control_group())
+        copies = sorted({tuple(c) for c in every})
+        if sorted(r for c in copies for r in c) != list(range(world)) or len({len(c) for c in copies}) > 1:
+            raise ValueError(
+                f"group=: the ranks' groups {[list(c) for c in copies]} do not split the world into "
+                "disjoint copies of one layout; pass each rank its group of dtjob.trainer.mesh()"
+            )
+        self.copies = [list(c) for c in copies]
+
+    def new_group(self, group_ranks: list[int]) -> dist.ProcessGroup | None:
+        """The subgroup of these group ranks, this rank's copy of it (None if not a member)."""
+        found = None
+        for copy in self.copies:
+            made = new_group([copy[r] for r in group_ranks])
+            found = made if made is not None else found
+        return found

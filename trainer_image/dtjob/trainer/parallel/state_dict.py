@@ -14,7 +14,7 @@ from dtjob.trainer.parallel import common
 from dtjob.trainer.parallel.comm import Comm
 from dtjob.trainer.parallel.ddp import DataParallel
 from dtjob.trainer.parallel.fsdp import FullyShardedModule
-from dtjob.trainer.parallel.tp.module import tp_full_state_dict, tp_state
+from dtjob.trainer.parallel.tp.module import TPState, gather_split, tp_full_state_dict, tp_state
 
 
 def _keys_to_tensors(module: nn.Module) -> list[tuple[str, int]]:
@@ -75,19 +75,29 @@ def _sharded(wrapped: FullyShardedModule, rank0_only: bool) -> dict[str, torch.T
     return out
 
 
+def _of_tp(
+    tp: TPState | None, gathered: dict[str, torch.Tensor], rank0_only: bool
+) -> dict[str, torch.Tensor]:
+    """A wrapper's state dict over a tensor_parallel model holds this TP rank's shards: join them.
+    With rank0_only, the wrapper's rank 0 of each TP coordinate holds it (global ranks 0..T-1 of
+    a mesh: one TP group, which gathers); the result stays on global rank 0."""
+    if tp is None:
+        return gathered
+    if rank0_only and not gathered:
+        return {}
+    out = gather_split(gathered, tp)
+    return {} if rank0_only and torch.distributed.get_rank() != 0 else out
+
+
 def full_state_dict(wrapped: nn.Module, *, rank0_only: bool = True) -> dict[str, torch.Tensor]:
     """The plain model's state dict on rank 0 (every rank with rank0_only=False); {} elsewhere."""
+    tp = tp_state(getattr(wrapped, "module", wrapped))
     if isinstance(wrapped, FullyShardedModule):
-        if tp_state(wrapped.module) is not None:
-            raise NotImplementedError(
-                "full_state_dict: fully_shard over a tensor_parallel model is not supported yet; "
-                "use data_parallel(model, group=<data-parallel group>) over the TP model"
-            )
-        return _sharded(wrapped, rank0_only)
+        return _of_tp(tp, _sharded(wrapped, rank0_only), rank0_only)
     pipeline_state = getattr(wrapped, "full_state_dict", None)
     if callable(pipeline_state):  # a Pipeline gathers its stages itself
         result: dict[str, torch.Tensor] = pipeline_state(rank0_only=rank0_only)
-        return result
+        return _of_tp(tp, result, rank0_only)
     module: Any = wrapped.module if isinstance(wrapped, DataParallel) else wrapped
     state = tp_state(module)
     if state is not None:  # tensor_parallel (under data_parallel or not): gather the splits

@@ -39,9 +39,8 @@ from dtjob.trainer.parallel.ddp.buckets import Bucket, MiB, assign_buckets, make
 from dtjob.trainer.parallel.shards import LocalShard
 from dtjob.trainer.parallel.tp.module import (
     check_wrappable,
+    checkpoint_shards,
     mark_bucket_grads,
-    refuse_checkpoint_shards,
-    tp_state,
 )
 
 _WIRE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -173,15 +172,13 @@ class DataParallel(common.Wrapper):
 
     # -- checkpoints (parallel/shards.py) -------------------------------------------------------
     def local_shards(self) -> list[LocalShard]:
-        if tp_state(self.module) is not None:
-            return refuse_checkpoint_shards()
-        return [LocalShard.replicated(n, p, self.comm.rank, self.comm.size) for n, p in self._named.items()]
+        shards = [LocalShard.replicated(n, p, self.comm.rank, self.comm.size) for n, p in self._named.items()]
+        return checkpoint_shards(self.module, shards)  # a tensor_parallel model's: TP-qualified names
 
     def local_buffers(self) -> list[LocalShard]:
-        if tp_state(self.module) is not None:
-            return refuse_checkpoint_shards()
         buffers = common.persistent_buffers(self.module)
-        return [LocalShard.from_replica0(n, b, self.comm.rank) for n, b in buffers.items()]
+        shards = [LocalShard.from_replica0(n, b, self.comm.rank) for n, b in buffers.items()]
+        return checkpoint_shards(self.module, shards)
 
     def after_load(self) -> None:
         pass

@@ -64,7 +64,7 @@ from dtjob.trainer.parallel.fsdp.flat import FlatUnit
 from dtjob.trainer.parallel.fsdp.grad_flags import GradFlags
 from dtjob.trainer.parallel.fsdp.unshard import Unsharding
 from dtjob.trainer.parallel.shards import LocalShard
-from dtjob.trainer.parallel.tp.module import check_wrappable
+from dtjob.trainer.parallel.tp.module import check_wrappable, checkpoint_shards
 
 log = logging.getLogger("dtjob.trainer.parallel")
 
@@ -284,6 +284,9 @@ class FullyShardedModule(Unsharding, common.Wrapper):
 
     # -- checkpoints (parallel/shards.py) -------------------------------------------------------
     def local_shards(self) -> list[LocalShard]:
+        return checkpoint_shards(self.module, self._local_shards())  # TP: TP-qualified names
+
+    def _local_shards(self) -> list[LocalShard]:
         self._sync_params()
         out = []
         for name, piece in self._pieces.items():
@@ -298,7 +301,8 @@ class FullyShardedModule(Unsharding, common.Wrapper):
 
     def local_buffers(self) -> list[LocalShard]:
         buffers = common.persistent_buffers(self.module)
-        return [LocalShard.from_replica0(n, b, self.comm.rank) for n, b in buffers.items()]
+        shards = [LocalShard.from_replica0(n, b, self.comm.rank) for n, b in buffers.items()]
+        return checkpoint_shards(self.module, shards)
 
     def after_load(self) -> None:
         for unit in self.units:
@@ -536,7 +540,7 @@ class FullyShardedModule(Unsharding, common.Wrapper):
             unit.add_to_shard_grads(out.div_(self.comm.size))
             for piece in unit.pieces:
                 if piece.param.grad is not None and not piece.slot.replicated:
-                    clip.mark(piece.param.grad, self.comm)
+                    clip.mark(piece.param.grad, self.comm, clip.split_of(piece.slot.param))
             del flat
             self._next_finish += 1
 
@@ -599,14 +603,15 @@ def fully_shard(
         raise ValueError(f"fully_shard: zero_stage must be 1, 2 or 3, got {zero_stage!r}")
     if isinstance(model, common.Wrapper):
         raise ValueError(f"fully_shard: the model is already wrapped ({type(model).__name__})")
-    check_wrappable(model, "fully_shard")
+    comm = Comm(collective, group)
+    check_wrappable(model, "fully_shard", comm)  # a tensor_parallel model: group= its DP group
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError("fully_shard: the model has no parameter that requires a gradient")
     chosen = auto_units(model) if units is None else common.resolve_modules(model, units, "fully_shard units")
     _check_units(model, chosen)
     wrapped = FullyShardedModule(
         model,
-        Comm(collective, group),
+        comm,
         zero_stage=zero_stage,
         units=chosen,
         prefetch=prefetch,

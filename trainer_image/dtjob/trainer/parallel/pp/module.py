@@ -53,12 +53,12 @@ from torch.utils import _pytree as pytree
 
 from dtjob.trainer.collectives import abort
 from dtjob.trainer.parallel import clip, common, guard, syncbn
-from dtjob.trainer.parallel.comm import Comm, control_group, new_group
+from dtjob.trainer.parallel.comm import Comm, GroupMaker, control_group
 from dtjob.trainer.parallel.pp import boundary, wire
 from dtjob.trainer.parallel.pp.schedule import P2P, exchanges
 from dtjob.trainer.parallel.pp.split import auto_split, plan, spec_of, zeros_of
 from dtjob.trainer.parallel.shards import LocalShard
-from dtjob.trainer.parallel.tp.module import check_wrappable
+from dtjob.trainer.parallel.tp.module import check_wrappable, refuse_checkpoint_shards, tp_state
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -202,9 +202,11 @@ class Pipeline(common.Wrapper):
         collective: str,
         mixed_precision: str | None,
         broadcast_buffers: bool = True,
+        comm: Comm | None = None,
     ) -> None:
         super().__init__()
-        world, rank = dist.get_world_size(), dist.get_rank()
+        self.comm = comm if comm is not None else Comm(collective, None)  # the ranks it spans
+        world, rank = self.comm.size, self.comm.rank  # ranks of the group: replica * P + stage
         P = stages
         self.module = module
         self.microbatches = microbatches
@@ -214,15 +216,16 @@ class Pipeline(common.Wrapper):
         self.stages, self.replicas = P, world // P
         self.stage, self.replica = rank % P, rank // P
         # Every rank must create every group, in the same order.
-        pp_groups = [new_group([d * P + s for s in range(P)]) for d in range(self.replicas)]
-        dp_groups = [new_group([d * P + s for d in range(self.replicas)]) for s in range(P)]
-        self.comm = Comm(collective, None)
+        self._groups = GroupMaker(self.comm.group)
+        pp_groups = [self._groups.new_group([d * P + s for s in range(P)]) for d in range(self.replicas)]
+        dp_groups = [self._groups.new_group([d * P + s for d in range(self.replicas)]) for s in range(P)]
         self.pp_comm = Comm(collective, pp_groups[self.replica])
         self.dp_comm = Comm(collective, dp_groups[self.stage])
         self._control = control_group()
         self.control_comm = Comm("native", self._control)
-        self.prev_rank = rank - 1 if self.stage > 0 else None
-        self.next_rank = rank + 1 if self.stage < P - 1 else None
+        # Default-group ranks (point-to-point takes those).
+        self.prev_rank = self.comm.global_rank(rank - 1) if self.stage > 0 else None
+        self.next_rank = self.comm.global_rank(rank + 1) if self.stage < P - 1 else None
 
         common.broadcast_from_rank0([*module.parameters(), *module.buffers()], self.comm)
         # A stage failing ends its peers' waits, those on headers (the control group) included.
@@ -281,7 +284,9 @@ class Pipeline(common.Wrapper):
         sets = sorted({tuple(sorted(o)) for o in self.plan.owners.values() if len(o) > 1})
         result = []
         for stage_set in sets:
-            groups = [new_group([d * self.stages + s for s in stage_set]) for d in range(self.replicas)]
+            groups = [
+                self._groups.new_group([d * self.stages + s for s in stage_set]) for d in range(self.replicas)
+            ]
             if self.stage in stage_set:
                 shared = [p for _, p in self._owned if tuple(sorted(self.plan.owners[id(p)])) == stage_set]
                 result.append(
@@ -539,7 +544,7 @@ class Pipeline(common.Wrapper):
             elif p.grad.data_ptr() != view.data_ptr():
                 view.copy_(p.grad)
             p.grad = view
-            clip.mark(view, self.pp_comm)
+            clip.mark(view, self.pp_comm, clip.split_of(p))
 
     def _run_schedule(self, inputs: Any, targets: Any, schedule: str) -> tuple[torch.Tensor, int, list[Any]]:
         """The step's actions and messages. Returns the sum of this stage's micro-batch losses and
@@ -593,7 +598,7 @@ class Pipeline(common.Wrapper):
         for op in ops:
             if op.op != "send":
                 continue
-            mb, peer = state[op.microbatch], base + op.peer
+            mb, peer = state[op.microbatch], self.comm.global_rank(base + op.peer)
             if op.kind == "F":
                 self._header_sends += wire.send_header(
                     self.control_comm, mb.outgoing, mb.outgoing_header, peer
@@ -607,7 +612,7 @@ class Pipeline(common.Wrapper):
                 del state[op.microbatch]  # its backward is done, and this is its last message
         flags: list[tuple[_Microbatch, list[bool]]] = []
         for op in ops:
-            peer = base + op.peer
+            peer = self.comm.global_rank(base + op.peer)  # default-group ranks, as p2p takes
             if op.op == "recv" and op.kind == "F":
                 mb = state[op.microbatch] = _Microbatch()
                 mb.received, requires_grad, mb.header = wire.recv_header(
@@ -688,6 +693,8 @@ class Pipeline(common.Wrapper):
         return self.stage == min(self.plan.owners[id(p)])
 
     def local_shards(self) -> list[LocalShard]:
+        if tp_state(self.module) is not None:  # its parameters are TP shards
+            return refuse_checkpoint_shards()
         out = []
         for name, p in self._stage_params:
             shard = LocalShard.replicated(name, p, self.dp_comm.rank, self.dp_comm.size)
@@ -697,6 +704,8 @@ class Pipeline(common.Wrapper):
         return out
 
     def local_buffers(self) -> list[LocalShard]:
+        if tp_state(self.module) is not None:
+            return refuse_checkpoint_shards()
         buffers = common.persistent_buffers(self.module)
         return [
             LocalShard.from_replica0(n, b, self.dp_comm.rank)
@@ -717,9 +726,13 @@ class Pipeline(common.Wrapper):
             for name, b in common.persistent_buffers(self.module).items():
                 if self.plan.buffer_owner.get(name) == self.stage:
                     mine[name] = b.detach().cpu().clone()
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, mine, group=self._control)
-        if rank0_only and dist.get_rank() != 0:
+        gathered: list[Any] = [None] * self.comm.size
+        # Over this pipeline's group (a tensor_parallel model's: one TP coordinate); the control
+        # group where that is the world (a CPU group under NCCL).
+        dist.all_gather_object(
+            gathered, mine, group=self._control if self.comm.group is None else self.comm.group
+        )
+        if rank0_only and self.comm.rank != 0:
             return {}
         merged: dict[str, torch.Tensor] = {}
         for part in gathered:
@@ -757,8 +770,10 @@ def pipeline(
     collective: str = "auto",
     mixed_precision: str | None = None,
     broadcast_buffers: bool = True,
+    group: dist.ProcessGroup | None = None,
 ) -> Pipeline:
-    """Cut `model` into `stages` stages over the default process group (see the module docstring).
+    """Cut `model` into `stages` stages over the default process group, or `group` (see the module
+    docstring; its ranks are numbered replica * stages + stage).
 
     split: the P-1 module names where stages 1..P-1 begin (None: balanced among the model's blocks).
         Each must be called with tensors, tuples/lists/dicts of them and constants only (see
@@ -773,13 +788,18 @@ def pipeline(
     broadcast_buffers: before each step() copy every stage's buffers (BatchNorm's running
         statistics, ...) from replica 0 to the other replicas of that stage, as torch's DDP does
         over its group; nothing to do without replicas. Checkpoints hold replica 0's buffers.
+    group: the ranks this pipeline spans (default: the world). A tensor_parallel model's pipeline
+        spans the ranks of its TP coordinate: `group=mesh(...).dp_pp` (TP inside each stage); every
+        TP coordinate runs its own pipeline, all created at the same point.
     """
     if not dist.is_initialized():
         raise RuntimeError("pipeline() needs torch.distributed.init_process_group() to be called first")
-    world = dist.get_world_size()
+    comm = Comm(collective, group)
+    world = comm.size
     if not isinstance(stages, int) or stages < 1 or world % stages:
         raise ValueError(
-            f"pipeline: stages={stages!r} must be a positive divisor of the world size {world}; "
+            f"pipeline: stages={stages!r} must be a positive divisor of the world size {world}"
+            f"{' (of group=)' if group is not None else ''}; "
             f"use a world size of k * stages"
         )
     if not isinstance(microbatches, int) or microbatches < 1:
@@ -788,7 +808,7 @@ def pipeline(
         raise ValueError(f"pipeline: schedule must be 'gpipe' or '1f1b', got {schedule!r}")
     if isinstance(model, common.Wrapper):
         raise ValueError(f"pipeline: the model is already wrapped ({type(model).__name__})")
-    check_wrappable(model, "pipeline")
+    check_wrappable(model, "pipeline", comm)  # a tensor_parallel model: group= its TP coordinate's
     boundaries = list(split) if split is not None else (auto_split(model, stages) if stages > 1 else [])
     if len(boundaries) != stages - 1:
         raise ValueError(
@@ -804,4 +824,5 @@ def pipeline(
         collective=collective,
         mixed_precision=mixed_precision,
         broadcast_buffers=broadcast_buffers,
+        comm=comm,
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ class TPState:
     comm: Comm
     plan: dict[str, str]
     specs: dict[int, ShardSpec]
+    by_name: dict[str, ShardSpec]  # every state-dict key of a split parameter (tied ones twice)
 
 
 _STATE = "_dtjob_tp"
@@ -39,24 +41,42 @@ def tp_state(model: nn.Module) -> TPState | None:
     return state if isinstance(state, TPState) else None
 
 
-def check_wrappable(model: nn.Module, wrapper: str, comm: Comm | None = None) -> None:
-    """Refuse wrapping a tensor-parallel model where the result would be silently wrong: any
-    wrapper but data_parallel, or data_parallel over a group holding two ranks of one TP group
-    (its broadcast of rank 0's parameters would overwrite the other ranks' shards)."""
+# What each wrapper over a tensor_parallel model takes as group=, and where the mesh has it.
+_GROUP_OF = {
+    "data_parallel": "group=<data-parallel group> (dtjob.trainer.mesh(...).dp)",
+    "fully_shard": "group=<data-parallel group> (dtjob.trainer.mesh(...).dp)",
+    "pipeline": "group=<the ranks of this TP coordinate> (dtjob.trainer.mesh(...).dp_pp)",
+}
+
+
+def check_wrappable(model: nn.Module, wrapper: str, comm: Comm) -> None:
+    """Refuse wrapping a tensor-parallel model where the result would be silently wrong: a wrapper
+    other than data_parallel, fully_shard and pipeline, or one over a group that does not hold
+    exactly one rank of each TP group it touches at the same TP coordinate (a broadcast of its rank
+    0's parameters, or an average of gradients, would mix different shards). Collective over comm's
+    group (one all-gather of two integers)."""
     state = tp_state(model)
     if state is None:
         return
-    if wrapper != "data_parallel" or comm is None:
+    if wrapper not in _GROUP_OF:
         raise NotSupported(
-            f"{wrapper}() of a tensor_parallel model is not supported yet; use "
-            "data_parallel(model, group=<data-parallel group>) over it"
+            f"{wrapper}() of a tensor_parallel model is not supported; use data_parallel, fully_shard "
+            "or pipeline over it with group= from dtjob.trainer.mesh()"
         )
     tp_ranks = {state.comm.global_rank(r) for r in range(state.comm.size)}
-    dp_ranks = {comm.global_rank(r) for r in range(comm.size)}
-    if len(tp_ranks & dp_ranks) > 1:
+    ranks = {comm.global_rank(r) for r in range(comm.size)}
+    if len(tp_ranks & ranks) > 1:
         raise ValueError(
-            f"data_parallel: its group holds ranks {sorted(tp_ranks & dp_ranks)} of one tensor-parallel "
-            "group; pass group= the data-parallel group (one rank of each TP group: ranks r, r+T, r+2T, ...)"
+            f"{wrapper}: its group holds ranks {sorted(tp_ranks & ranks)} of one tensor-parallel group; "
+            f"pass {_GROUP_OF[wrapper]}: one rank of each TP group (ranks r, r+T, r+2T, ...)"
+        )
+    mine = torch.tensor([state.comm.rank, state.comm.size], dtype=torch.int64, device=comm.device)
+    every = torch.empty(2 * comm.size, dtype=torch.int64, device=comm.device)
+    comm.all_gather(every, mine)
+    if len({tuple(pair) for pair in every.view(comm.size, 2).tolist()}) > 1:
+        raise ValueError(
+            f"{wrapper}: its group mixes ranks of different tensor-parallel coordinates (TP rank, size: "
+            f"{every.view(comm.size, 2).tolist()}), whose shards differ; pass {_GROUP_OF[wrapper]}"
         )
 
 
@@ -72,12 +92,38 @@ def mark_bucket_grads(model: nn.Module, grads: Iterable[tuple[nn.Parameter, torc
 
 
 def refuse_checkpoint_shards() -> list[LocalShard]:
-    """What a tensor-parallel model answers to the checkpoint code (TrainState): its shards are not
-    flat ranges of their parameters, which a checkpoint file holds."""
+    """What a tensor-parallel model answers to the checkpoint code (TrainState) where it is not
+    under data_parallel or fully_shard: which ranks replicate it is not known."""
     raise NotSupported(
-        "checkpoints of a tensor_parallel model (TrainState, ElasticSession) are not supported yet; "
-        "save full_state_dict(model) on rank 0 and load it into the unwrapped model before splitting"
+        "checkpoints of a tensor_parallel model on its own or under pipeline (TrainState, ElasticSession) "
+        "are not supported; wrap it with data_parallel or fully_shard over group=mesh(...).dp (one rank "
+        "is fine), or save full_state_dict(model) on rank 0 and load it into the unwrapped model"
     )
+
+
+def tp_checkpoint_name(name: str, rank: int, size: int) -> str:
+    """The checkpoint name of TP rank `rank`'s shard of parameter `name`: a global tensor of its own,
+    so a checkpoint resumes at any data-parallel size with the same TP size; another TP size finds
+    no such tensor (change it through full_state_dict)."""
+    return f"{name}#tp{rank}of{size}"
+
+
+def checkpoint_shards(model: nn.Module, shards: list[LocalShard]) -> list[LocalShard]:
+    """A data_parallel / fully_shard wrapper's local shards of a tensor_parallel model (each its
+    data-parallel piece of this TP rank's tensor) as checkpoint entries: a split parameter under
+    its TP-qualified name (tp_checkpoint_name), the replicated ones (and the buffers) written by TP
+    rank 0 only, so every element is written once."""
+    state = tp_state(model)
+    if state is None:
+        return shards
+    rank, size = state.comm.rank, state.comm.size
+    out = []
+    for shard in shards:
+        if shard.name in state.by_name:
+            out.append(dataclasses.replace(shard, name=tp_checkpoint_name(shard.name, rank, size)))
+        else:
+            out.append(shard if rank == 0 else dataclasses.replace(shard, write=(0, 0)))
+    return out
 
 
 def _resolve(model: nn.Module, plan: dict[str, str]) -> dict[str, tuple[nn.Module, str]]:
@@ -205,13 +251,20 @@ def tensor_parallel(
     localize_heads(model, comm.size)
     if any(kind == "vocab" and not isinstance(m, nn.Embedding) for m, kind in targets.values()):
         _intercept_labels(model, comm)
-    object.__setattr__(model, _STATE, TPState(comm, dict(plan), sharder.specs))
+    by_name = {
+        key: sharder.specs[id(t)]
+        for key, t in model.state_dict(keep_vars=True).items()
+        if id(t) in sharder.specs
+    }
+    object.__setattr__(model, _STATE, TPState(comm, dict(plan), sharder.specs, by_name))
 
     def mark(piece: torch.Tensor) -> None:
         assert piece.grad is not None
-        clip.mark(piece.grad, comm)
+        if not clip.is_marked(piece.grad):  # a pipeline's gradient views carry their own marks
+            clip.mark(piece.grad, comm)
 
     for piece in sharder.pieces():
+        clip.mark_split(piece, comm)  # a wrapper's gradient of it is also spread over the TP group
         # clip_grad_norm_ then sums the shards' norms over the TP group (parallel/clip.py).
         piece.register_post_accumulate_grad_hook(mark)
     clip.install()
@@ -223,11 +276,20 @@ def tensor_parallel(
 def tp_full_state_dict(model: nn.Module, state: TPState, rank0_only: bool) -> dict[str, torch.Tensor]:
     """The unsplit model's state dict: every split parameter gathered over the TP group (all ranks
     of it must call this), on global rank 0 (everywhere with rank0_only=False)."""
-    out: dict[str, torch.Tensor] = {}
-    for key, tensor in model.state_dict(keep_vars=True).items():
-        spec = state.specs.get(id(tensor))
-        full = gather_full(tensor, spec, state.comm) if spec is not None else tensor.detach()
-        out[key] = full.cpu().clone()
+    local = {key: t.detach() for key, t in model.state_dict(keep_vars=True).items()}
+    out = gather_split(local, state)
     if rank0_only and dist.get_rank() != 0:
         return {}
+    return out
+
+
+def gather_split(local: dict[str, torch.Tensor], state: TPState) -> dict[str, torch.Tensor]:
+    """`local` (a state dict of this TP rank's shards, by the model's keys, as a wrapper over the
+    TP model gathered it) with every split parameter joined over the TP group, on the CPU. Every
+    rank of the TP group calls it with the same keys in the same order (a collective per key)."""
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in local.items():
+        spec = state.by_name.get(key)
+        full = gather_full(tensor.to(state.comm.device), spec, state.comm) if spec is not None else tensor
+        out[key] = full.detach().cpu().clone()
     return out
