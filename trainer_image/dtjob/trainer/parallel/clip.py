@@ -74,7 +74,12 @@ def total_norm(
     total = total.reshape(1)
     inf = math.isinf(norm_type)
     if comm.size > 1:
-        dist.all_reduce(total, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=comm.group)
+        # NCCL takes CUDA tensors only, and fully_shard(offload="optimizer")'s gradients are on the
+        # host: their norm crosses to the GPU for the all-reduce.
+        nccl = dist.get_backend(comm.group) == "nccl"
+        reduced = total.cuda() if nccl and device.type != "cuda" else total
+        dist.all_reduce(reduced, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=comm.group)
+        total = reduced.to(device)
     if local:
         mine = _p_sum(local, norm_type, foreach).to(device).reshape(1)
         total = torch.maximum(total, mine) if inf else total + mine
