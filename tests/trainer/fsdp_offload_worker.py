@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from dtjob.trainer.parallel import full_state_dict, fully_shard
 from dtjob.trainer.parallel.common import NotSupported
@@ -86,10 +87,10 @@ class TinyViT(nn.Module):
         return self.head(self.norm(x[:, 0])) * self.temperature
 
 
-def shard(model: nn.Module, stage: int, offload: str | None) -> Any:
+def shard(model: nn.Module, stage: int, offload: str | None, precision: str | None = None) -> Any:
     # The ring: "auto" picks an algorithm by timed trials, and at world 3 another algorithm sums
     # in another order (6e-8 apart at step 2), so two runs would not be identical.
-    return fully_shard(model, zero_stage=stage, offload=offload, collective="ring")
+    return fully_shard(model, zero_stage=stage, offload=offload, collective="ring", mixed_precision=precision)
 
 
 def build() -> TinyViT:
@@ -111,9 +112,10 @@ def train(
     rank: int,
     world: int,
     on_backward: Any = None,
+    scaler: ShardedGradScaler | None = None,
 ) -> list[float]:
     """The user's loop; rank takes its equal share of every global batch. Returns this rank's
-    loss per step (the mean over ranks is the global batch's)."""
+    loss per step (the mean over ranks is the global batch's). scaler: fp16's loss scaling."""
     losses = []
     per = GLOBAL_BATCH // world
     for step in steps:
@@ -122,12 +124,18 @@ def train(
             images, labels = global_batch(step, micro)
             mine = slice(rank * per, (rank + 1) * per)
             loss = F.cross_entropy(model(images[mine]), labels[mine]) / accum
-            loss.backward()
+            (loss if scaler is None else scaler.scale(loss)).backward()
             total += float(loss.detach())
         if on_backward is not None:
             on_backward()
+        if scaler is not None:
+            scaler.unscale_(optimizer)
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        optimizer.step()
+        if scaler is None:
+            optimizer.step()
+        else:
+            scaler.step(optimizer)
+            scaler.update()
         optimizer.zero_grad()
         losses.append(total)
     return losses
@@ -200,9 +208,11 @@ def _check_offloaded(model: Any, optimizer: torch.optim.Optimizer) -> None:
 
 def run_training(case: dict[str, Any]) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = shard(build(), case["stage"], case["offload"])
+    precision = case.get("precision")
+    model = shard(build(), case["stage"], case["offload"], precision)
     optimizer = adamw(model)
-    losses = train(model, optimizer, range(STEPS), case["accum"], rank, world)
+    scaler = ShardedGradScaler("cpu") if precision == "fp16" else None
+    losses = train(model, optimizer, range(STEPS), case["accum"], rank, world, scaler=scaler)
     if case["offload"]:
         _check_offloaded(model, optimizer)
     return {"losses": losses, "state": full_state_dict(model, rank0_only=False)}

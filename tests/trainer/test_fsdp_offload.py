@@ -2,8 +2,9 @@
 gradients and the user's optimizer state on the host and steps there, with results identical to
 the same stage without offload and equal to one process on the global batch. A small vision
 transformer (tests/trainer/fsdp_offload_worker.py) in real gloo groups of 2 and 3, AdamW with
-weight decay and gradient clipping, fp32, 10 steps, on dtjob's ring collectives (deterministic;
-"auto" may pick another summation order per run)."""
+weight decay and gradient clipping, fp32 (and bf16 / fp16 autocast against the device run), 10
+steps, on dtjob's ring collectives (deterministic; "auto" may pick another summation order per
+run)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from functools import cache
 from typing import Any
 
 import pytest
+import torch
 
 from tests.trainer import fsdp_offload_worker as worker
 
@@ -20,19 +22,32 @@ STAGES = [1, 2, 3]
 OFFLOADS = [None, "optimizer"]
 
 
-def _training(stage: int, offload: str | None, accum: int = 1) -> dict[str, Any]:
-    name = f"zero{stage}-{offload or 'device'}-accum{accum}"
-    return {"name": name, "kind": "training", "stage": stage, "offload": offload, "accum": accum}
+def _training(
+    stage: int, offload: str | None, accum: int = 1, precision: str | None = None
+) -> dict[str, Any]:
+    name = f"zero{stage}-{offload or 'device'}-accum{accum}" + (f"-{precision}" if precision else "")
+    case = {"name": name, "kind": "training", "stage": stage, "offload": offload, "accum": accum}
+    return {**case, "precision": precision}
 
 
 CASES = [_training(s, o) for s in STAGES for o in OFFLOADS]
 # Gradient accumulation: a second backward adds its shard to the host gradients (a blocking copy).
 ACCUM_CASES = [_training(s, "optimizer", accum=2) for s in STAGES]
+# Mixed precision (autocast; fp16 with torch's ShardedGradScaler unscaling the host gradients).
+PRECISIONS = [(2, "bf16"), (3, "fp16")]
+PRECISION_CASES = [_training(s, o, precision=p) for s, p in PRECISIONS for o in OFFLOADS]
 # Checkpoint of an offloaded ZeRO-3 model, resumed offloaded and at ZeRO-2 on the device.
 RESUME = {(3, "optimizer"): "resume-zero3-offload", (2, None): "resume-zero2-device"}
 RESUME_CASES = [{"name": n, "kind": "resume", "resume": r} for r, n in RESUME.items()]
 MEMORY_CASES = [{"name": f"memory-{o or 'device'}", "kind": "memory", "offload": o} for o in OFFLOADS]
-ALL = [*CASES, *ACCUM_CASES, *RESUME_CASES, *MEMORY_CASES, {"name": "refusals", "kind": "refusals"}]
+ALL = [
+    *CASES,
+    *ACCUM_CASES,
+    *PRECISION_CASES,
+    *RESUME_CASES,
+    *MEMORY_CASES,
+    {"name": "refusals", "kind": "refusals"},
+]
 
 
 @cache
@@ -75,6 +90,19 @@ def test_offload_gives_the_same_losses_as_the_device_and_as_one_process(world: i
         assert offloaded[rank]["losses"] == device[rank]["losses"], f"rank {rank}"
     _check_against_one_process(device, 1)
     _check_against_one_process(offloaded, 1)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize(("stage", "precision"), PRECISIONS)
+def test_offload_under_mixed_precision_gives_the_same_losses_as_the_device(
+    world: int, stage: int, precision: str
+) -> None:
+    device = _ranks(world, _training(stage, None, precision=precision)["name"])
+    offloaded = _ranks(world, _training(stage, "optimizer", precision=precision)["name"])
+    for rank in range(world):
+        assert offloaded[rank]["losses"] == device[rank]["losses"], f"rank {rank}"
+        for key, want in device[rank]["state"].items():
+            assert torch.equal(offloaded[rank]["state"][key], want), f"rank {rank}, {key}"
 
 
 @pytest.mark.parametrize("world", [2, 3])
