@@ -54,3 +54,20 @@ def pins(source: torch.device, target: torch.device) -> bool:
     """Whether a copy from `source` to `target` goes through pinned host memory: only a host tensor
     bound for CUDA (#41: `pin_memory()` raises on a tensor already on the GPU)."""
     return source.type == "cpu" and target.type == "cuda"
+
+
+HOST = torch.device("cpu")
+
+
+def host_buffer(like: torch.Tensor) -> torch.Tensor:
+    """An empty host tensor of `like`'s shape and dtype, pinned where `like` is on CUDA, so copies
+    between the two can be non_blocking (fully_shard's offload="optimizer" keeps its master
+    weights, their gradients and, through the user's optimizer, the optimizer state in these)."""
+    return torch.empty(like.shape, dtype=like.dtype, device=HOST, pin_memory=pins(HOST, like.device))
+
+
+def wait_for_copies(device: torch.device) -> None:
+    """Wait for the non_blocking copies queued on `device`'s current stream (a no-op on the CPU,
+    where a copy is done when it returns): a host tensor they write may be read only after this."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()

@@ -64,6 +64,16 @@ def _p_sum(tensors: list[torch.Tensor], norm_type: float, foreach: bool | None) 
 
 
 @torch.no_grad()
+def _all_reduce(t: torch.Tensor, op: dist.ReduceOp.RedOpType, comm: Comm) -> torch.Tensor:
+    """All-reduce `t` over `comm`'s group and return it on its device. NCCL takes CUDA tensors
+    only, and fully_shard(offload="optimizer")'s gradients (so their norms) are on the host: they
+    cross to the GPU for the all-reduce."""
+    nccl = dist.get_backend(comm.group) == "nccl"
+    reduced = t.cuda() if nccl and t.device.type != "cuda" else t
+    dist.all_reduce(reduced, op=op, group=comm.group)
+    return reduced.to(t.device)
+
+
 def total_norm(
     tensors: torch.Tensor | Iterable[torch.Tensor],
     norm_type: float = 2.0,
@@ -106,13 +116,11 @@ def total_norm(
     ]
     both = torch.stack([s.to(device) for s in sums])
     if comm.size > 1:
-        dist.all_reduce(both, op=op, group=comm.group)
+        both = _all_reduce(both, op, comm)
     if splits:
         split = next(iter(splits.values()))
         if split.size > 1:
-            head = both[:1].clone()
-            dist.all_reduce(head, op=op, group=split.group)
-            both[:1] = head
+            both[:1] = _all_reduce(both[:1].clone(), op, split)
     total = (both.max() if inf else both.sum()).reshape(1)
     if local:
         mine = _p_sum(local, norm_type, foreach).to(device).reshape(1)

@@ -32,6 +32,18 @@ A 0-dim parameter cannot be sharded on dim 0: it is replicated (placement Replic
 slot in every rank's shard; every rank copies its gradient into its own slot, so the
 reduce-scatter gives each rank the whole sum, and after each gather every rank takes rank 0's
 value, so the replicas cannot drift apart by rounding.
+
+Offload (fully_shard(offload="optimizer"), ZeRO-Offload): `host` is this rank's shard in host
+memory (pinned when the device is CUDA), and the pieces are views of it, not of the device's
+`shard` or `full`: the optimizer the user builds over them keeps its state on the host and steps
+there, as with FSDP2's CPUOffloadPolicy. The device keeps `shard` (ZeRO-3) or `full` (ZeRO-1/2)
+for the forward; `send_shard()` copies `host` there when the optimizer changed it (its version),
+so the updated shards go back before the next forward. A reduced gradient shard is copied to a
+host buffer (non_blocking) as its reduce-scatter finishes and the pieces' .grad are views of it;
+the wrapper waits for those copies before backward returns. A replicated (0-dim) parameter's host
+value takes rank 0's at each gather, as the device's does without offload: the reduce-scatter sums
+its gradient in a different order on each rank (1 ulp apart at world 3), so replicas stepped on
+their own drift apart.
 """
 
 from __future__ import annotations
@@ -47,6 +59,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from dtjob.trainer.device import host_buffer
 from dtjob.trainer.parallel.shards import local_tensor
 
 _UNIT = "_dtjob_flat_unit"  # on each piece: a weak reference to its FlatUnit
@@ -121,6 +134,7 @@ class FlatUnit:
         rank: int,
         size: int,
         stage: int,
+        offload: bool = False,
     ) -> None:
         self.index = index
         self.label = label  # the unit's module name, for messages ("" for the root)
@@ -154,6 +168,10 @@ class FlatUnit:
         for s in slots:
             s.param.data = self.full[s.offset : s.offset + s.numel].view(s.shape)
         self.shard = self.local_shard() if stage == 3 else None
+        self.host: torch.Tensor | None = None  # offload: the optimizer's shard, in host memory
+        if offload:
+            on_device = self.send_shard_on_device()
+            self.host = host_buffer(on_device).copy_(on_device)
         self.pieces = [self._piece(s) for s in slots]
         self.gathered = True
         self.grads_pending = len(slots)
@@ -167,7 +185,8 @@ class FlatUnit:
         """Changes when the parameters or the pieces change in place (ZeRO-1/2 then gathers).
         An op on a DTensor bumps the DTensor's version counter but not its local tensor's, and
         torch's foreach optimizers bump neither: an optimizer step marks its units (_mark_stepped)."""
-        return self.full._version + sum(p.param._version for p in self.pieces)
+        base = self.host if self.host is not None else self.full
+        return base._version + sum(p.param._version for p in self.pieces)
 
     def mark_stale(self) -> None:
         self.synced_version = -1
@@ -176,7 +195,9 @@ class FlatUnit:
         first, end = s.rows_of(self.rank)
         start, length = first * s.row_numel, (end - first) * s.row_numel
         shape = s.piece_shape(self.rank)
-        if self.shard is not None:  # ZeRO-3: a view of the shard
+        if self.host is not None:  # offload: a view of the host shard
+            data = self.host[s.at : s.at + length].view(shape)
+        elif self.shard is not None:  # ZeRO-3: a view of the shard
             data = self.shard[s.at : s.at + length].view(shape)
         else:  # ZeRO-1/2: a view of the parameter's own rows
             data = self.full[s.offset + start : s.offset + start + length].view(shape)
@@ -192,7 +213,18 @@ class FlatUnit:
                 yield r, first * s.row_numel, (end - first) * s.row_numel
 
     def send_shard(self) -> torch.Tensor:
-        """What this rank gives an all-gather: the ZeRO-3 shard, or (ZeRO-1/2) a copy of its rows."""
+        """What this rank gives an all-gather, on the device: the ZeRO-3 shard, or (ZeRO-1/2) a copy
+        of its rows. Offload: the host shard, copied to the device if the optimizer changed it."""
+        if self.host is None:
+            return self.send_shard_on_device()
+        if self.shard is None:  # ZeRO-1/2: called once per optimizer step (the unit is stale)
+            return self.host.to(self.device, non_blocking=True)
+        if self.synced_version != self.version():
+            self.shard.copy_(self.host, non_blocking=True)
+            self.synced_version = self.version()
+        return self.shard
+
+    def send_shard_on_device(self) -> torch.Tensor:
         return self.shard if self.shard is not None else self.local_shard()
 
     def local_shard(self) -> torch.Tensor:
@@ -218,6 +250,20 @@ class FlatUnit:
                 dsts.append(self.shard[s.at : s.at + 1])
                 srcs.append(gathered[s.at : s.at + 1])
         _copy_all(dsts, srcs)
+        if self.host is not None:
+            self._replicas_from_rank0(gathered)
+
+    def _replicas_from_rank0(self, gathered: torch.Tensor) -> None:
+        """Offload: the host copy of each replicated parameter takes rank 0's value too (the
+        device's already has it: it stays in sync with the host if it was)."""
+        assert self.host is not None
+        synced = self.synced_version == self.version()
+        with torch.no_grad():
+            for s in self.slots:
+                if s.replicated:
+                    self.host[s.at : s.at + 1].copy_(gathered[s.at : s.at + 1])  # 0-dim: tiny
+        if synced:
+            self.synced_version = self.version()
 
     def free_full(self) -> None:
         """Release the gathered parameters' memory (ZeRO-3); the views stay, pointing at nothing."""
@@ -251,7 +297,13 @@ class FlatUnit:
         accumulates: a piece whose .grad is None (after zero_grad(set_to_none=True)) takes its view
         of `reduced`. The unit keeps no gradient buffer of its own, so the gradient shard lives from
         the backward to zero_grad(), as in one process and in FSDP2: 4/N bytes per parameter (and
-        the rows' padding) that are not held between steps nor during the forward."""
+        the rows' padding) that are not held between steps nor during the forward.
+        Offload: the shard is copied to the host first; non_blocking where no piece has a gradient
+        to add it to (the wrapper waits for it before backward returns)."""
+        if self.host is not None:
+            fresh = all(p.param.grad is None for p in self.pieces)
+            host = host_buffer(reduced)
+            reduced = host.copy_(reduced, non_blocking=fresh)
         for piece in self.pieces:
             values = reduced[piece.at : piece.at + piece.length].view(piece.local.shape)
             grad = piece.param.grad

@@ -44,6 +44,16 @@ a unit, not a whole unit on some ranks.
 
 The model's own methods reached through the wrapper (`model.generate()`, `model.get_encoder()`)
 and FSDP2's unshard() / reshard() run on the full parameters: see unshard.py.
+
+ZeRO-Offload (`offload="optimizer"`, any stage): the parameters the user's optimizer is built over
+are this rank's shards in host memory (DTensors whose local tensors are on the CPU, pinned when
+the model is on CUDA), as FSDP2's CPUOffloadPolicy gives them; so the optimizer's state (AdamW's
+moments: 8 bytes per parameter) is created on the host and its step runs there, and the loop is
+unchanged. Each unit's reduced gradient shard is copied to the host as its reduce-scatter
+finishes (backward returns once those copies landed); the updated shards are copied back to the
+device just before each unit's next all-gather (flat.py). The device keeps the parameters (the
+ZeRO-3 shard and the gathered unit, or ZeRO-1/2's full parameters) and gradients in flight, the
+host 4 bytes of master weights, 4 of gradient and the optimizer's state per parameter it owns.
 """
 
 from __future__ import annotations
@@ -58,12 +68,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from dtjob.trainer.device import wait_for_copies
 from dtjob.trainer.parallel import clip, common, guard, syncbn
 from dtjob.trainer.parallel.comm import Comm, Handle
 from dtjob.trainer.parallel.fsdp.flat import FlatUnit
 from dtjob.trainer.parallel.fsdp.grad_flags import GradFlags
 from dtjob.trainer.parallel.fsdp.unshard import Unsharding
-from dtjob.trainer.parallel.shards import LocalShard
+from dtjob.trainer.parallel.shards import LocalShard, local_tensor
 from dtjob.trainer.parallel.tp.module import check_wrappable, checkpoint_shards
 
 log = logging.getLogger("dtjob.trainer.parallel")
@@ -82,11 +93,13 @@ class FullyShardedModule(Unsharding, common.Wrapper):
         prefetch: bool,
         mixed_precision: str | None,
         broadcast_buffers: bool = True,
+        offload: str | None = None,
     ) -> None:
         super().__init__()
         self.module = module
         self.comm = comm
         self.stage = zero_stage
+        self.offload = offload
         self.prefetch = prefetch
         self.mixed_precision = mixed_precision
         common.broadcast_from_rank0([*module.parameters(), *module.buffers()], comm)
@@ -178,16 +191,28 @@ class FullyShardedModule(Unsharding, common.Wrapper):
         for unit, group in zip(units, groups, strict=True):
             if group:  # a unit without trainable parameters of its own has nothing to shard
                 label = names.get(id(unit), "?")
-                flat.append(
-                    FlatUnit(len(flat), label, group, self.mesh, self.comm.rank, self.comm.size, self.stage)
-                )
+                flat.append(self._flat_unit(len(flat), label, group))
                 self._unit_modules.append(unit)
         blocks = list(flat)
         root = None
         if rest:
-            root = FlatUnit(len(flat), "", rest, self.mesh, self.comm.rank, self.comm.size, self.stage)
+            root = self._flat_unit(len(flat), "", rest)
             flat.append(root)
         return flat, blocks, root
+
+    def _flat_unit(self, index: int, label: str, named: list[tuple[str, nn.Parameter]]) -> FlatUnit:
+        rank, size, offload = self.comm.rank, self.comm.size, self.offload is not None
+        return FlatUnit(index, label, named, self.mesh, rank, size, self.stage, offload)
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        """offload="optimizer": what this wrapper keeps in host memory (each unit's shard of master
+        weights and the gradients of its pieces); the optimizer's state is the optimizer's. [] else."""
+        out: list[torch.Tensor] = []
+        for unit in self.units:
+            if unit.host is not None:
+                out.append(unit.host)
+                out += [local_tensor(p.param.grad) for p in unit.pieces if p.param.grad is not None]
+        return out
 
     # -- the module interface -------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -524,6 +549,8 @@ class FullyShardedModule(Unsharding, common.Wrapper):
         self._launch_ready()
         self._grad_flags.launch()  # after every unit's reduce-scatter, on every rank
         self._finish_launched()
+        if self.offload is not None:  # the optimizer reads the host gradients after backward
+            wait_for_copies(self.units[0].device)
         self._grad_flags.apply()
         self._close_step()
 
@@ -569,6 +596,18 @@ def _check_units(model: nn.Module, units: list[nn.Module]) -> None:
                 )
 
 
+def _check_offload(offload: str | None) -> None:
+    if offload is None or offload == "optimizer":
+        return
+    if offload == "params":
+        raise common.NotSupported(
+            'fully_shard: offload="params" (parameters on the host between steps) is not supported; '
+            'use offload="optimizer", which keeps the master weights, gradients and optimizer state '
+            "on the host (ZeRO-Offload) and only the parameter shards the forward gathers on the device"
+        )
+    raise ValueError(f'fully_shard: offload must be None or "optimizer", got {offload!r}')
+
+
 def fully_shard(
     model: nn.Module,
     *,
@@ -578,6 +617,7 @@ def fully_shard(
     mixed_precision: str | None = None,
     prefetch: bool = True,
     broadcast_buffers: bool = True,
+    offload: str | None = None,
     group: Any = None,
 ) -> FullyShardedModule:
     """Shard `model`'s training state over `group` (default: the whole default process group).
@@ -592,6 +632,8 @@ def fully_shard(
     broadcast_buffers: copy rank 0's buffers (BatchNorm's running statistics, ...) to every rank
         before a forward, as torch's DDP: before the first, and before one that follows a training
         forward (see common.BufferBroadcast). Checkpoints hold rank 0's buffers either way.
+    offload: None, or "optimizer" (ZeRO-Offload): the shards the optimizer holds, their gradients
+        and so the optimizer's state and step live in host memory (see the module docstring).
     A parameter no rank got a gradient for keeps `.grad = None` (see the module docstring): no
     find_unused_parameters flag to set; the cost is one all-reduce of 4 bytes per parameter per
     backward.
@@ -601,6 +643,7 @@ def fully_shard(
         raise RuntimeError("fully_shard() needs torch.distributed.init_process_group() to be called first")
     if zero_stage not in (1, 2, 3):
         raise ValueError(f"fully_shard: zero_stage must be 1, 2 or 3, got {zero_stage!r}")
+    _check_offload(offload)
     if isinstance(model, common.Wrapper):
         raise ValueError(f"fully_shard: the model is already wrapped ({type(model).__name__})")
     comm = Comm(collective, group)
@@ -617,14 +660,16 @@ def fully_shard(
         prefetch=prefetch,
         mixed_precision=mixed_precision,
         broadcast_buffers=broadcast_buffers,
+        offload=offload,
     )
     if wrapped.comm.rank == 0:
         labels = [u.label for u in wrapped.block_units]
         shown = labels if len(labels) <= 4 else [labels[0], "...", labels[-1]]
         root = [s.name for s in wrapped.root_unit.slots] if wrapped.root_unit else []
         log.info(
-            "fully_shard: ZeRO-%d, %d units (%s) and a root unit of %d parameters%s",
+            "fully_shard: ZeRO-%d%s, %d units (%s) and a root unit of %d parameters%s",
             zero_stage,
+            f" offload={offload}" if offload else "",
             len(labels),
             ", ".join(shown) or "none",
             len(root),
