@@ -79,6 +79,12 @@ ENV_PERMANENT_EXIT_CODES = "DTJOB_PERMANENT_EXIT_CODES"
 # so far, and what failed before the last one ("rank 1 (pod 1) exited 137 (SIGKILL)").
 ENV_IN_PLACE_RESTARTS = "DTJOB_IN_PLACE_RESTARTS"
 ENV_RESTART_CAUSE = "DTJOB_RESTART_CAUSE"
+# In-memory snapshots (trainer/snapshot.py): where (a tmpfs the trainer processes do not own:
+# it survives them, not the pod), every how many steps (0: off), and the bytes of host memory
+# they may take per pod (0: the container's cgroup limit, memory.max).
+ENV_SNAPSHOT_DIR = "DTJOB_SNAPSHOT_DIR"
+ENV_SNAPSHOT_EVERY = "DTJOB_SNAPSHOT_EVERY"
+ENV_SNAPSHOT_MEMORY_LIMIT = "DTJOB_SNAPSHOT_MEMORY_LIMIT"
 
 # --- metrics (gauges) --------------------------------------------------------------------------
 METRIC_STEP = "dtjob_trainer_step"
@@ -276,6 +282,9 @@ class PodEnv:
     permanent_exit_codes: frozenset[int] = _var(ENV_PERMANENT_EXIT_CODES, frozenset(), _CODES)
     in_place_restarts: int = _var(ENV_IN_PLACE_RESTARTS, 0, _COUNT)
     restart_cause: str = _var(ENV_RESTART_CAUSE, "", _TEXT)
+    snapshot_dir: str = _var(ENV_SNAPSHOT_DIR, "/dev/shm/dtjob-snapshots", _TEXT)
+    snapshot_every: int = _var(ENV_SNAPSHOT_EVERY, 1, _COUNT)  # 0: no snapshots
+    snapshot_memory_limit: int = _var(ENV_SNAPSHOT_MEMORY_LIMIT, 0, _COUNT)  # 0: the cgroup's
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] = os.environ) -> PodEnv:
@@ -363,6 +372,9 @@ ENVIRONMENT: dict[str, tuple[str, str]] = {
     ENV_PERMANENT_EXIT_CODES: ("operator", "exit codes never restarted in place (comma list)"),
     ENV_IN_PLACE_RESTARTS: ("agent", "restarts in place of this generation so far"),
     ENV_RESTART_CAUSE: ("agent", "what failed before the last restart in place"),
+    ENV_SNAPSHOT_DIR: ("user", "in-memory snapshots' directory: a tmpfs that outlives the trainer processes"),
+    ENV_SNAPSHOT_EVERY: ("user", "steps between in-memory snapshots (0: none)"),
+    ENV_SNAPSHOT_MEMORY_LIMIT: ("user", "host bytes snapshots may take per pod (0: the cgroup's memory.max)"),
 }
 
 EXIT_CODES: dict[int, str] = {
