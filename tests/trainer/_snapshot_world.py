@@ -6,8 +6,9 @@ launcher gives it (RANK, LOCAL_RANK, LOCAL_WORLD_SIZE, DTJOB_SNAPSHOT_DIR = its 
 Each trains a model no other test uses (a small residual MLP regressor, SGD with momentum and a
 StepLR, both in the snapshot) in a user's loop, and returns per rank: the step it resumed at, the
 global loss of each step, and the session's log lines. case["die_after"] = k ends every process
-after step k (at step k + 1's start) once step k's snapshot is written, with os._exit (no stop, no checkpoint, nothing the
-session does on the way out): what the pod's agent sees when it restarts the trainers in place.
+after step k (at step k + 1's start, once step k's snapshot is written) with os._exit: no stop, no
+checkpoint, nothing the session does on the way out; what the pod's agent sees when it restarts
+the trainers in place.
 case["also_save"] = a directory: at step k, before dying, write a durable checkpoint of step k
 there too (the yardstick of a resume "from a checkpoint at that step").
 """
