@@ -35,6 +35,9 @@ FULL = {
     contract.ENV_PERMANENT_EXIT_CODES: "2, 126,127",
     contract.ENV_IN_PLACE_RESTARTS: "1",
     contract.ENV_RESTART_CAUSE: "rank 1 (pod 0) exited 137 (SIGKILL)",
+    contract.ENV_SNAPSHOT_DIR: "/snapshots",
+    contract.ENV_SNAPSHOT_EVERY: "5",
+    contract.ENV_SNAPSHOT_MEMORY_LIMIT: "1048576",
 }
 
 
@@ -68,6 +71,9 @@ def test_every_variable_is_read_typed() -> None:
         permanent_exit_codes=frozenset({2, 126, 127}),
         in_place_restarts=1,
         restart_cause="rank 1 (pod 0) exited 137 (SIGKILL)",
+        snapshot_dir="/snapshots",
+        snapshot_every=5,
+        snapshot_memory_limit=1048576,
     )
     assert env.value(contract.ENV_HEARTBEAT_TIMEOUT) == 2.5
 
