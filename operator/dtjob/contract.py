@@ -85,6 +85,8 @@ ENV_RESTART_CAUSE = "DTJOB_RESTART_CAUSE"
 ENV_SNAPSHOT_DIR = "DTJOB_SNAPSHOT_DIR"
 ENV_SNAPSHOT_EVERY = "DTJOB_SNAPSHOT_EVERY"
 ENV_SNAPSHOT_MEMORY_LIMIT = "DTJOB_SNAPSHOT_MEMORY_LIMIT"
+# Where the operator mounts a memory-backed emptyDir for them (a pod's own /dev/shm is 64 MiB).
+DEFAULT_SNAPSHOT_DIR = "/dev/shm/dtjob-snapshots"
 
 # --- metrics (gauges) --------------------------------------------------------------------------
 METRIC_STEP = "dtjob_trainer_step"
@@ -282,7 +284,7 @@ class PodEnv:
     permanent_exit_codes: frozenset[int] = _var(ENV_PERMANENT_EXIT_CODES, frozenset(), _CODES)
     in_place_restarts: int = _var(ENV_IN_PLACE_RESTARTS, 0, _COUNT)
     restart_cause: str = _var(ENV_RESTART_CAUSE, "", _TEXT)
-    snapshot_dir: str = _var(ENV_SNAPSHOT_DIR, "/dev/shm/dtjob-snapshots", _TEXT)
+    snapshot_dir: str = _var(ENV_SNAPSHOT_DIR, DEFAULT_SNAPSHOT_DIR, _TEXT)
     snapshot_every: int = _var(ENV_SNAPSHOT_EVERY, 1, _COUNT)  # 0: no snapshots
     snapshot_memory_limit: int = _var(ENV_SNAPSHOT_MEMORY_LIMIT, 0, _COUNT)  # 0: the cgroup's
 

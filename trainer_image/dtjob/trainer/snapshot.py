@@ -57,7 +57,6 @@ from dtjob.trainer.train_state import TrainState
 
 log = logging.getLogger("dtjob.trainer.snapshot")
 
-DEFAULT_DIR = "/dev/shm/dtjob-snapshots"
 INFO_SUFFIX = ".json"
 _CGROUP = Path("/sys/fs/cgroup")
 # Host bytes per byte of a rank's state (own O, buddy B): the newest complete snapshot and the one
