@@ -209,6 +209,7 @@ class ElasticSession:
         self._timer = StepTimer(self.device)  # step times on the device's timeline (#41)
         self.last_saved_step = -1
         self._failed_saves = 0  # periodic checkpoints in a row the volume refused
+        self._failing = False  # failed() was called: this process is about to end with an error
         self.last_saved_time = 0.0
         self._out: TextIO = sys.stdout
         if log_file and g.rank == 0:
@@ -500,6 +501,7 @@ class ElasticSession:
         name the lost rank (the process then exits 76 naming it, so the operator replaces that
         rank's pod at once). Called by the built-in loop, and by the `sys.excepthook` the session
         installs for a user's script."""
+        self._failing = True
         if isinstance(err, GangAborted) and err.failed_rank is not None and err.failed_rank != self.rank:
             heartbeat.leave_failed(err.failed_rank, str(err))
         if not heartbeat.is_peer_failure(err):
@@ -532,8 +534,10 @@ class ElasticSession:
             log.info(contract.complete_line(total))
 
     def close(self) -> None:
-        if self.snapshots is not None:  # its exchange must not outlive the process group
-            self.snapshots.wait(self.gang.collective_timeout)
+        if self.snapshots is not None and not self._failing:
+            # Its exchange must not outlive the process group. After a failure it may wait for a
+            # lost peer (up to collective_timeout, 60 s): the process leaves without it instead.
+            self.snapshots.wait()
         if self.fence is not None:
             self.fence.close()
         if sys.excepthook == self._excepthook:

@@ -110,7 +110,7 @@ class _Pending:
     copied: torch.cuda.Event | None
 
 
-def store(root: Path, step: int, owner: int, data: bytes, info: Mapping[str, Any]) -> None:
+def store(root: Path, step: int, owner: int, data: bytes | memoryview, info: Mapping[str, Any]) -> None:
     """Write one rank file and its info (the info last: it marks the file complete)."""
     directory = root / step_dir_name(step)
     directory.mkdir(parents=True, exist_ok=True)
@@ -248,7 +248,7 @@ class Snapshots:
                 p.copied.synchronize()
             buffer = io.BytesIO()
             torch.save(rank_payload(self.rank, p.tensors, p.rank_state, p.global_state), buffer)
-            data = buffer.getvalue()
+            data = buffer.getbuffer()  # no copy: the serialized bytes are written and sent from here
             info = {
                 "name": rank_file_name(self.rank),
                 "sha256": hashlib.sha256(data).hexdigest(),
@@ -265,19 +265,18 @@ class Snapshots:
             self.error = f"{type(err).__name__}: {err}"
             log.warning("snapshot of step %d not completed: %s", p.step, self.error)
 
-    def _exchange(self, data: bytes, info: Mapping[str, Any]) -> tuple[bytes, dict[str, Any]]:
-        """Send our file to the buddy, receive the owner's: sizes first, then header and bytes."""
+    def _exchange(self, data: memoryview, info: Mapping[str, Any]) -> tuple[memoryview, dict[str, Any]]:
+        """Send our file to the buddy, receive the owner's: sizes, then the info, then the file."""
         assert self.buddy is not None and self.owner is not None
-        header = json.dumps(info).encode()
+        header = bytearray(json.dumps(info).encode())
         sizes = torch.tensor([len(header), len(data)], dtype=torch.int64)
         their_sizes = torch.empty(2, dtype=torch.int64)
         _both(sizes, self.buddy, their_sizes, self.owner, self.group)
-        mine = torch.frombuffer(bytearray(header + data), dtype=torch.uint8)
-        theirs = torch.empty(int(their_sizes.sum()), dtype=torch.uint8)
-        _both(mine, self.buddy, theirs, self.owner, self.group)
-        raw = theirs.numpy().tobytes()
-        cut = int(their_sizes[0])
-        return raw[cut:], json.loads(raw[:cut])
+        their_header = torch.empty(int(their_sizes[0]), dtype=torch.uint8)
+        _both(torch.frombuffer(header, dtype=torch.uint8), self.buddy, their_header, self.owner, self.group)
+        theirs = torch.empty(int(their_sizes[1]), dtype=torch.uint8)
+        _both(torch.frombuffer(data, dtype=torch.uint8), self.buddy, theirs, self.owner, self.group)
+        return memoryview(theirs.numpy().data), json.loads(their_header.numpy().tobytes())
 
     def wait(self, timeout: float | None = None) -> None:
         """Until the snapshot in flight (if any) is written and exchanged."""
