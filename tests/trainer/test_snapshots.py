@@ -127,3 +127,19 @@ def test_zero3_restarted_in_place_resumes_at_the_killed_step_from_memory(tmp_pat
     ranks = run_gang(4, 2, _case(tmp_path / "run", "fsdp"), tmp_path / "run" / "again")
     assert [r["start"] for r in ranks] == [DIE_AFTER] * 4
     _same_trajectory(ranks[0]["losses"], reference[0]["losses"], DIE_AFTER)
+
+
+def test_a_damaged_snapshot_file_falls_back_to_the_checkpoint_and_says_so(
+    ddp_killed: Path, ddp_reference: dict[int, float], tmp_path: Path
+) -> None:
+    root = _copy(ddp_killed, tmp_path)
+    for damaged in (root / "pod1").glob(f"run-*/step-{DIE_AFTER:08d}/rank-00002.pt"):
+        data = bytearray(damaged.read_bytes())
+        data[len(data) // 2] ^= 0x01  # its info (sha256, size) still says the file is complete
+        damaged.write_bytes(bytes(data))
+    ranks = run_gang(4, 2, _case(root, "ddp"), root / "out")
+    assert [r["start"] for r in ranks] == [5] * 4
+    said = [line for line in ranks[0]["lines"] if line.startswith("fell back")]
+    damaged_line = f"the snapshot of step {DIE_AFTER} has damaged files rank-00002.pt"
+    assert said == [f"fell back to the checkpoint of step 5: {damaged_line}"], ranks[0]["lines"]
+    _same_trajectory(ranks[0]["losses"], ddp_reference, 5)

@@ -12,7 +12,9 @@ user's values (rank 0's file) are broadcast by one holder, so no rank fetches ra
 for them.
 
 When no such step exists but newer snapshots do, `recover` says which shards each lost, and the
-caller falls back to the durable checkpoint.
+caller falls back to the durable checkpoint. So does a fetched file whose sha256 is not its info's
+(damaged memory): every rank checks its files, and any damage sends every rank to the checkpoint
+(the snapshots are deleted, so the next restart does not meet them again).
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ import torch.distributed as dist
 
 from dtjob.trainer.checkpoint import (
     MANIFEST,
-    CheckpointError,
     Loaded,
     RankFileInfo,
     ShardReader,
@@ -108,11 +109,6 @@ def needed_files(state: TrainState, manifest: Mapping[str, Any], rank: int) -> s
     return files
 
 
-def _check(path: Path, info: Mapping[str, Any]) -> None:
-    if hashlib.sha256(path.read_bytes()).hexdigest() != info["sha256"]:
-        raise CheckpointError(f"snapshot file {path} sha256 mismatch: the host memory copy is corrupt")
-
-
 def _fetch(snaps: Snapshots, step: int, infos: dict[int, dict[str, Any]], holders: Holders,
            needs: list[list[str]], staging: Path) -> None:  # fmt: skip
     """Every rank's needed files into its staging directory: linked where its pod holds them,
@@ -139,8 +135,14 @@ def _fetch(snaps: Snapshots, step: int, infos: dict[int, dict[str, Any]], holder
                 data = torch.empty(int(size), dtype=torch.uint8)
                 dist.recv(data, source, group=snaps.group)
                 (staging / name).write_bytes(data.numpy().tobytes())
-    for name in needs[rank]:
-        _check(staging / name, infos[by_name[name]])
+
+
+def _corrupt(staging: Path, names: list[str], infos: dict[int, dict[str, Any]]) -> list[str]:
+    """The files among `names` whose sha256 is not their info's: torn or damaged memory."""
+    by_name = {info["name"]: info for info in infos.values()}
+    return [
+        n for n in names if hashlib.sha256((staging / n).read_bytes()).hexdigest() != by_name[n]["sha256"]
+    ]
 
 
 def recover(
@@ -175,19 +177,27 @@ def recover(
     manifest = build_manifest(files, first["meta"])
     if check is not None:
         check(manifest)
+    # Rank 0's file holds the scheduler and the extras: one holder reads them for everyone.
+    source = holders[(step, 0)][0]
+    mine_needed = needed_files(state, manifest, rank) | ({rank_file_name(0)} if rank == source else set())
     needs: list[Any] = [None] * snaps.world_size
-    dist.all_gather_object(needs, sorted(needed_files(state, manifest, rank)), group=control_group())
+    dist.all_gather_object(needs, sorted(mine_needed), group=control_group())
     staging = snaps.root / f".recovery-rank-{rank:05d}"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
         _fetch(snaps, step, infos, holders, needs, staging)
-        # Rank 0's file holds the scheduler and the extras: one holder reads them for everyone.
-        source = holders[(step, 0)][0]
+        # Every rank checks what it fetched; a damaged copy anywhere sends every rank to the
+        # checkpoint (raising would fail each restart alike on the same memory).
+        bad: list[Any] = [None] * snaps.world_size
+        dist.all_gather_object(bad, _corrupt(staging, needs[rank], infos), group=control_group())
+        damaged = sorted({name for names in bad for name in names})
+        if damaged:
+            prune(snaps.root, keep=set())
+            return None, [*lost, f"the snapshot of step {step} has damaged files {', '.join(damaged)}"]
         shared: list[Any] = [None]
         if rank == source:
-            path = snaps.root / step_dir_name(step) / rank_file_name(0)
-            _check(path, infos[0])
+            path = staging / rank_file_name(0)
             shared[0] = torch.load(path, map_location="cpu", weights_only=True, mmap=True).get(
                 "global_state", {}
             )
