@@ -9,8 +9,9 @@ time is from one `steps()` yield to the next: the user's forward, backward and o
 plus the session's own work after it (the stop agreement; the snapshot's agreement and host
 copy; its write and exchange run on a thread).
 Reports the median step time of each side (steps after the first 5), the overhead, the state's
-bytes per rank, and the snapshots taken and skipped (skipped: the previous was still being
-written). Writes bench/results/snapshots.json.
+bytes per rank, the snapshots taken and skipped (skipped: the previous was still being
+written), and the median seconds the thread took for one (serialize, write, exchange). Writes
+bench/results/snapshots.json.
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ def _worker(rank: int, world: int, port: int, args: dict[str, Any], out: str) ->
         "own_bytes": snaps.own_bytes if snaps else 0,
         "taken": snaps.taken if snaps else 0,
         "skipped": snaps.skipped if snaps else 0,
+        "write_seconds": statistics.median(snaps.write_seconds) if snaps and snaps.write_seconds else 0.0,
     }
     session.close()
     torch.save(result, os.path.join(out, f"rank{rank}.pt"))
@@ -112,7 +114,7 @@ def main() -> None:
             ranks = _gang(a.world, {**base, "every": every})
             sides[side] += ranks[0]["times"]
             if side == "on":
-                info = {k: ranks[0][k] for k in ("params", "own_bytes", "taken", "skipped")}
+                info = {k: ranks[0][k] for k in ("params", "own_bytes", "taken", "skipped", "write_seconds")}
     off, on = statistics.median(sides["off"]), statistics.median(sides["on"])
     report = {
         "world": a.world,

@@ -36,6 +36,7 @@ import logging
 import os
 import shutil
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -186,6 +187,7 @@ class Snapshots:
         self.taken = 0
         self.completed = -1  # the newest step whose own file and buddy copy this rank wrote
         self.error: str | None = None
+        self.write_seconds: list[float] = []  # per snapshot: serialize, write, exchange (the thread)
         self.own_bytes = 0
         self._thread: threading.Thread | None = None
         self._host: dict[str, torch.Tensor] = {}
@@ -243,6 +245,7 @@ class Snapshots:
         return True
 
     def _write(self, p: _Pending) -> None:
+        started = time.perf_counter()
         try:
             if p.copied is not None:
                 p.copied.synchronize()
@@ -261,6 +264,7 @@ class Snapshots:
                 theirs, their_info = self._exchange(data, info)
                 store(self.root, p.step, self.owner, theirs, their_info)
             self.completed = p.step
+            self.write_seconds.append(time.perf_counter() - started)
         except Exception as err:  # the gang is failing (a peer gone): recovery uses older steps
             self.error = f"{type(err).__name__}: {err}"
             log.warning("snapshot of step %d not completed: %s", p.step, self.error)
