@@ -80,6 +80,14 @@ ENV_PERMANENT_EXIT_CODES = "DTJOB_PERMANENT_EXIT_CODES"
 ENV_IN_PLACE_RESTARTS = "DTJOB_IN_PLACE_RESTARTS"
 ENV_RESTART_CAUSE = "DTJOB_RESTART_CAUSE"
 ENV_RESTART_FAILED_AT = "DTJOB_RESTART_FAILED_AT"
+# In-memory snapshots (trainer/snapshot.py): where (a tmpfs the trainer processes do not own:
+# it survives them, not the pod), every how many steps (0: off), and the bytes of host memory
+# they may take per pod (0: the container's cgroup limit, memory.max).
+ENV_SNAPSHOT_DIR = "DTJOB_SNAPSHOT_DIR"
+ENV_SNAPSHOT_EVERY = "DTJOB_SNAPSHOT_EVERY"
+ENV_SNAPSHOT_MEMORY_LIMIT = "DTJOB_SNAPSHOT_MEMORY_LIMIT"
+# Where the operator mounts a memory-backed emptyDir for them (a pod's own /dev/shm is 64 MiB).
+DEFAULT_SNAPSHOT_DIR = "/dev/shm/dtjob-snapshots"
 
 # --- metrics (gauges) --------------------------------------------------------------------------
 METRIC_STEP = "dtjob_trainer_step"
@@ -343,6 +351,9 @@ class PodEnv:
     in_place_restarts: int = _var(ENV_IN_PLACE_RESTARTS, 0, _COUNT)
     restart_cause: str = _var(ENV_RESTART_CAUSE, "", _TEXT)
     restart_failed_at: float | None = _var(ENV_RESTART_FAILED_AT, None, _SECONDS)  # unix seconds
+    snapshot_dir: str = _var(ENV_SNAPSHOT_DIR, DEFAULT_SNAPSHOT_DIR, _TEXT)
+    snapshot_every: int = _var(ENV_SNAPSHOT_EVERY, 1, _COUNT)  # 0: no snapshots
+    snapshot_memory_limit: int = _var(ENV_SNAPSHOT_MEMORY_LIMIT, 0, _COUNT)  # 0: the cgroup's
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] = os.environ) -> PodEnv:
@@ -436,6 +447,9 @@ ENVIRONMENT: dict[str, tuple[str, str]] = {
     ENV_IN_PLACE_RESTARTS: ("agent", "restarts in place of this generation so far"),
     ENV_RESTART_CAUSE: ("agent", "what failed before the last restart in place"),
     ENV_RESTART_FAILED_AT: ("agent", "when that failure was seen (unix seconds)"),
+    ENV_SNAPSHOT_DIR: ("user", "in-memory snapshots' directory: a tmpfs that outlives the trainer processes"),
+    ENV_SNAPSHOT_EVERY: ("user", "steps between in-memory snapshots (0: none)"),
+    ENV_SNAPSHOT_MEMORY_LIMIT: ("user", "host bytes snapshots may take per pod (0: the cgroup's memory.max)"),
 }
 
 EXIT_CODES: dict[int, str] = {

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dtjob import contract
+
 REPO = Path(__file__).resolve().parents[2]
 SOURCE_ROOTS = [REPO / "operator", REPO / "trainer_image", REPO / "devcluster"]
 
@@ -77,6 +79,9 @@ def trainer_env(**extra: str) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join([*map(str, SOURCE_ROOTS), env.get("PYTHONPATH", "")])
     # Several processes share two cores: one intra-op thread each avoids oversubscription.
     env["OMP_NUM_THREADS"] = "1"
+    # The resume points and redone steps these tests assert are the durable checkpoints' (the
+    # fallback); in-memory snapshots are on only where a test asks (test_snapshot_in_place.py).
+    env[contract.ENV_SNAPSHOT_EVERY] = "0"
     env.update(extra)
     return env
 

@@ -36,6 +36,9 @@ FULL = {
     contract.ENV_IN_PLACE_RESTARTS: "1",
     contract.ENV_RESTART_CAUSE: "rank 1 (pod 0) exited 137 (SIGKILL)",
     contract.ENV_RESTART_FAILED_AT: "1796198400.25",
+    contract.ENV_SNAPSHOT_DIR: "/snapshots",
+    contract.ENV_SNAPSHOT_EVERY: "5",
+    contract.ENV_SNAPSHOT_MEMORY_LIMIT: "1048576",
 }
 
 
@@ -70,6 +73,9 @@ def test_every_variable_is_read_typed() -> None:
         in_place_restarts=1,
         restart_cause="rank 1 (pod 0) exited 137 (SIGKILL)",
         restart_failed_at=1796198400.25,
+        snapshot_dir="/snapshots",
+        snapshot_every=5,
+        snapshot_memory_limit=1048576,
     )
     assert env.value(contract.ENV_HEARTBEAT_TIMEOUT) == 2.5
 

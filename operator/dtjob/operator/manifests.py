@@ -32,6 +32,8 @@ from dtjob.operator.worker_defaults import WorkerDefaults
 PODGROUP_API_VERSION = "scheduling.volcano.sh/v1beta1"
 PODGROUP_ANNOTATION = "scheduling.k8s.io/group-name"
 CHECKPOINT_VOLUME_NAME = "checkpoint"
+# In-memory snapshots (trainer/snapshot.py): a tmpfs of the pod's, outliving its trainer processes.
+SNAPSHOT_VOLUME_NAME = "dtjob-snapshots"
 
 
 def worker_name(job_name: str, rank: int) -> str:
@@ -189,6 +191,10 @@ def worker_pod(
     if volume is not None:
         volumes = [v for v in spec.get("volumes") or [] if v.get("name") != volume["name"]]
         spec["volumes"] = [*volumes, volume]
+        # Snapshots need a checkpoint directory (they are newer checkpoints); memory-backed, so
+        # they count against the container's memory limit, which the trainer checks them against.
+        if not any(v.get("name") == SNAPSHOT_VOLUME_NAME for v in spec["volumes"]):
+            spec["volumes"].append({"name": SNAPSHOT_VOLUME_NAME, "emptyDir": {"medium": "Memory"}})
 
     for container in [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]:
         _quantities_as_strings(container)
@@ -220,6 +226,14 @@ def worker_pod(
                 *mounts,
                 {"name": volume["name"], "mountPath": job.checkpoint_mount_path},
             ]
+            if not any(m.get("name") == SNAPSHOT_VOLUME_NAME for m in mounts):
+                snapshots = next(
+                    (e.get("value") for e in container["env"] if e.get("name") == contract.ENV_SNAPSHOT_DIR),
+                    None,
+                )  # the template's own DTJOB_SNAPSHOT_DIR, if it sets one
+                container["volumeMounts"].append(
+                    {"name": SNAPSHOT_VOLUME_NAME, "mountPath": snapshots or contract.DEFAULT_SNAPSHOT_DIR}
+                )
 
     # The template may write a quantity as a number (`nvidia.com/gpu: 1`), which the API server
     # accepts and the kubernetes client refuses.

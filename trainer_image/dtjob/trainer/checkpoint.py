@@ -198,21 +198,37 @@ def write_rank_file(
 ) -> RankFileInfo:
     """Write this rank's shards (compact CPU copies: a view would drag its whole storage along)."""
     tensors = {key: s.local.detach().reshape(-1).cpu().clone() for key, s in shards.items()}
+    payload = rank_payload(rank, tensors, rank_state, global_state)
+    path = directory / rank_file_name(rank)
+    _write_durably(path, lambda p: _save_to(payload, p))
+    return RankFileInfo(rank_file_name(rank), sha256_file(path), path.stat().st_size, rank_index(shards))
+
+
+def rank_payload(
+    rank: int,
+    tensors: Mapping[str, torch.Tensor],
+    rank_state: Mapping[str, Any],
+    global_state: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """What one rank's file holds (torch.save'd): its flat shards (1-D CPU tensors), its random
+    state, and on rank 0 the run's global state. Snapshots (snapshot.py) save the same payload."""
     payload: dict[str, Any] = {
         "format": FORMAT,
         "rank": rank,
-        "shards": tensors,
+        "shards": dict(tensors),
         "rank_state": dict(rank_state),
     }
     if global_state is not None:
         payload["global_state"] = dict(global_state)
-    path = directory / rank_file_name(rank)
-    _write_durably(path, lambda p: _save_to(payload, p))
-    index = {
+    return payload
+
+
+def rank_index(shards: Mapping[str, FlatShard]) -> dict[str, tuple[int, int, list[int], str]]:
+    """key -> (offset, length, global shape, dtype name) of a rank's shards, for the manifest."""
+    return {
         key: (s.offset, int(s.local.numel()), list(s.global_shape), _dtype_name(s.dtype))
         for key, s in shards.items()
     }
-    return RankFileInfo(rank_file_name(rank), sha256_file(path), path.stat().st_size, index)
 
 
 # --- the manifest ----------------------------------------------------------------------------

@@ -50,6 +50,8 @@ from dtjob.trainer.device import backend_for, collective_device, pins, resolve_d
 from dtjob.trainer.metrics import TrainerMetrics
 from dtjob.trainer.parallel.comm import control_group
 from dtjob.trainer.signals import StopRequest
+from dtjob.trainer.snapshot import Snapshots
+from dtjob.trainer.snapshot_recovery import recover
 from dtjob.trainer.timing import StepTimer
 from dtjob.trainer.train_state import TrainState
 
@@ -98,6 +100,10 @@ class ElasticSession:
     gang: who this process is (default: from the environment).
     step_gate: tests only (env DTJOB_STEP_GATE): before step s, wait until this file holds a
         number >= s, so a test acts at the step it chooses instead of racing the trainer.
+    snapshot_dir / snapshot_every / snapshot_memory_limit: in-memory snapshots (snapshot.py; env
+        DTJOB_SNAPSHOT_DIR, default /dev/shm/dtjob-snapshots; DTJOB_SNAPSHOT_EVERY, default 1, 0:
+        off; DTJOB_SNAPSHOT_MEMORY_LIMIT, bytes per pod, 0: the cgroup's). Only with a
+        checkpoint_dir: a restart resumes from the newest snapshot newer than the newest checkpoint.
     """
 
     def __init__(
@@ -115,6 +121,9 @@ class ElasticSession:
         gang: elastic.Gang | None = None,
         config: Mapping[str, Any] | None = None,
         step_gate: str | None = None,
+        snapshot_dir: str | None = None,
+        snapshot_every: int | None = None,
+        snapshot_memory_limit: int | None = None,
     ) -> None:
         self.gang = gang or elastic.Gang.from_env(
             collective_timeout=collective_timeout, rendezvous_timeout=rendezvous_timeout
@@ -179,6 +188,20 @@ class ElasticSession:
             if self.checkpoint_dir is not None
             else None
         )  # fmt: skip
+        every = snapshot_every if snapshot_every is not None else env.snapshot_every
+        self.snapshots = (
+            Snapshots(
+                Path(snapshot_dir or env.snapshot_dir),
+                env.job_uid or str(self.checkpoint_dir.resolve()),
+                g.rank,
+                g.world_size,
+                g.local_world_size,
+                every,
+                snapshot_memory_limit if snapshot_memory_limit is not None else env.snapshot_memory_limit,
+            )
+            if self.checkpoint_dir is not None and every > 0
+            else None
+        )
         self._seed_everything(seed)
         self.state: TrainState | None = None
         self.sampler: GlobalBatchSampler | None = None
@@ -188,6 +211,7 @@ class ElasticSession:
         self._timer = StepTimer(self.device)  # step times on the device's timeline (#41)
         self.last_saved_step = -1
         self._failed_saves = 0  # periodic checkpoints in a row the volume refused
+        self._failing = False  # failed() was called: this process is about to end with an error
         self.last_saved_time = 0.0
         self._out: TextIO = sys.stdout
         if log_file and g.rank == 0:
@@ -273,7 +297,18 @@ class ElasticSession:
         self._resumed = True
         if self.checkpointer is None or self.state is None:
             return 0
-        loaded: Loaded | None = self.checkpointer.load_latest(self.state, check)
+        loaded: Loaded | None = None
+        lost: list[str] = []
+        if self.snapshots is not None:
+            loaded, lost = recover(self.snapshots, self.state, self.checkpointer.root, check)
+        in_memory = loaded is not None
+        if loaded is None:
+            loaded = self.checkpointer.load_latest(self.state, check)
+        if lost and not in_memory and self.rank == 0:
+            durable = (
+                f"the checkpoint of step {loaded.step}" if loaded is not None else "step 0 (no checkpoint)"
+            )
+            log.warning("fell back to %s: %s", durable, "; ".join(lost))
         if loaded is None:
             log.info("no checkpoint in %s; starting at step 1", self.checkpointer.root)
             return 0
@@ -286,15 +321,17 @@ class ElasticSession:
         self.start_step = self.step = step
         if self.sampler is not None:
             self.sampler.start_step = step
-        self.last_saved_step = step
-        self.last_saved_time = float(loaded.manifest["time"])
         m = self.metrics
         m.checkpoint_load_seconds.set(loaded.seconds)
-        m.last_checkpoint_step.set(step)
-        m.last_checkpoint_timestamp.set(loaded.manifest["time"])
         m.step.set(step)
+        if not in_memory:  # a snapshot is no durable checkpoint
+            self.last_saved_step = step
+            self.last_saved_time = float(loaded.manifest["time"])
+            m.last_checkpoint_step.set(step)
+            m.last_checkpoint_timestamp.set(loaded.manifest["time"])
         log.info(
-            "resumed from %s (written at world size %d, generation %d) in %.2fs",
+            "resumed from %s%s (written at world size %d, generation %d) in %.2fs",
+            "host memory: " if in_memory else "",
             loaded.directory,
             loaded.manifest["world_size"],
             loaded.manifest["generation"],
@@ -335,6 +372,12 @@ class ElasticSession:
                 self.save(step)
             elif due:
                 self._save_or_go_on(step)
+            # A step just checkpointed needs no snapshot: recovery takes memory only when newer.
+            snapshot = (
+                self.snapshots is not None and self.snapshots.due(step) and self.last_saved_step != step
+            )
+            if snapshot and self.snapshots is not None and self.state is not None:
+                self.snapshots.take(step, self.state, self._meta(step))
             if stopping:
                 if self.checkpointer is None:
                     log.warning("stopping at step %d without a checkpoint: no checkpoint_dir", step)
@@ -406,11 +449,7 @@ class ElasticSession:
         if self.checkpointer is None or self.state is None or step == self.last_saved_step:
             return None
         started = time.perf_counter()
-        meta = {
-            "data": self.sampler.position(step + 1) if self.sampler is not None else {"next_step": step + 1},
-            "config": self.config,
-        }
-        path = self.checkpointer.save(step, self.state, meta)
+        path = self.checkpointer.save(step, self.state, self._meta(step))
         seconds = time.perf_counter() - started
         self.last_saved_step = step
         self.last_saved_time = time.time()
@@ -423,6 +462,15 @@ class ElasticSession:
         m.checkpoints_saved.inc()
         log.info("checkpoint %s written in %.2fs", path, seconds)
         return path
+
+    def _meta(self, step: int) -> dict[str, Any]:
+        """What a checkpoint (or snapshot) of `step` records beside the state."""
+        return {
+            "data": self.sampler.position(step + 1) if self.sampler is not None else {"next_step": step + 1},
+            "config": self.config,
+            "generation": self.generation,
+            "time": time.time(),
+        }
 
     def _save_or_go_on(self, step: int) -> None:
         """A periodic checkpoint that the volume refused (full, read-only, failing) costs only
@@ -455,6 +503,7 @@ class ElasticSession:
         name the lost rank (the process then exits 76 naming it, so the operator replaces that
         rank's pod at once). Called by the built-in loop, and by the `sys.excepthook` the session
         installs for a user's script."""
+        self._failing = True
         if isinstance(err, GangAborted) and err.failed_rank is not None and err.failed_rank != self.rank:
             heartbeat.leave_failed(err.failed_rank, str(err))
         if not heartbeat.is_peer_failure(err):
@@ -479,12 +528,18 @@ class ElasticSession:
     def _complete(self, total: int) -> None:
         """The operator reads this line from rank 0's log once it exited (dtjob.contract)."""
         self._finish_heartbeat()
+        if self.snapshots is not None:
+            self.snapshots.finish()  # the run is done: its snapshots are of no more use
         if self.last_saved_step > 0:
             log.info(contract.complete_line(total, self.last_saved_step, self.last_saved_time))
         else:
             log.info(contract.complete_line(total))
 
     def close(self) -> None:
+        if self.snapshots is not None and not self._failing:
+            # Its exchange must not outlive the process group. After a failure it may wait for a
+            # lost peer (up to collective_timeout, 60 s): the process leaves without it instead.
+            self.snapshots.wait()
         if self.fence is not None:
             self.fence.close()
         if sys.excepthook == self._excepthook:
