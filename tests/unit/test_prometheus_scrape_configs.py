@@ -29,7 +29,8 @@ def sd_targets(pod: dict[str, Any], ip: str = "10.244.1.7") -> list[Labels]:
     (the meta labels these jobs read, and the address)."""
     meta = pod["metadata"]
     common = {"__meta_kubernetes_namespace": meta.get("namespace", "default"),
-              "__meta_kubernetes_pod_name": meta["name"]}  # fmt: skip
+              "__meta_kubernetes_pod_name": meta["name"],
+              "__meta_kubernetes_pod_phase": (pod.get("status") or {}).get("phase", "Running")}  # fmt: skip
     common |= {
         f"__meta_kubernetes_pod_label_{_meta_name(k)}": v for k, v in (meta.get("labels") or {}).items()
     }
@@ -54,6 +55,9 @@ def relabel(labels: Labels, rules: list[dict[str, Any]]) -> Labels | None:
         action = rule.get("action", "replace")
         if action == "keep":
             if match is None:
+                return None
+        elif action == "drop":
+            if match is not None:
                 return None
         elif action == "replace":
             if match is not None:
@@ -111,6 +115,15 @@ def test_the_trainers_job_scrapes_every_worker_with_its_job_and_rank_and_not_the
         }
         for rank in (0, 1)
     ]
+
+
+def test_the_trainers_job_leaves_finished_worker_pods_alone() -> None:
+    finished = [
+        {**a_worker_pod(rank), "status": {"phase": phase}}
+        for rank, phase in ((0, "Succeeded"), (1, "Failed"))
+    ]
+    assert scraped("dtjob-trainers", finished) == []
+    assert len(scraped("dtjob-trainers", [{**a_worker_pod(0), "status": {"phase": "Pending"}}])) == 1
 
 
 def test_the_devcluster_runs_the_charts_jobs_with_only_the_api_servers_address_added(tmp_path: Path) -> None:
