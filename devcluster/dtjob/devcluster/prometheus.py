@@ -28,6 +28,7 @@ import yaml
 from dtjob.devcluster import pki, processes
 from dtjob.devcluster.apiclient import ApiClient
 from dtjob.devcluster.binaries import DEVCLUSTER_SOURCE, cache_dir, read_versions
+from dtjob.devcluster.controlplane import APISERVER_URL, last_log_line
 from dtjob.devcluster.errors import DevclusterError
 from dtjob.devcluster.layout import Layout
 
@@ -121,7 +122,6 @@ def command(layout: Layout, config_file: Path) -> list[str]:
         f"--config.file={config_file}",
         f"--storage.tsdb.path={state_dir(layout) / 'data'}",
         f"--web.listen-address=127.0.0.1:{PORT}",
-        # The API only: the build has no embedded UI (build-prometheus.sh).
         "--log.level=warn",
     ]
 
@@ -153,8 +153,6 @@ def rbac_objects() -> list[dict[str, Any]]:
 
 def _grant(layout: Layout) -> Path:
     """The user's certificate, kubeconfig and RBAC; returns the kubeconfig."""
-    from dtjob.devcluster.controlplane import APISERVER_URL
-
     ca = pki.ensure_ca(layout.pki)
     cert = pki.ensure_cert(
         ca, pki.CertKey(layout.pki / "prometheus.crt", layout.pki / "prometheus.key"), USER, client=True
@@ -186,8 +184,6 @@ def ensure(layout: Layout, started: list[str]) -> None:
     deadline = time.monotonic() + READY_TIMEOUT
     while not ready():
         if not processes.is_running(running):
-            from dtjob.devcluster.controlplane import last_log_line
-
             log = layout.log(COMPONENT)
             raise DevclusterError(f"prometheus exited during start-up: {last_log_line(log)} (log: {log})")
         if time.monotonic() > deadline:
