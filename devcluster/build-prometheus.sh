@@ -33,7 +33,8 @@ build_prometheus() {
   [ -d "$dir" ] || { echo "devcluster: prometheus $v: the module download has no directory" >&2; exit 1; }
   echo "devcluster: building prometheus $v" >&2
   local pkg=github.com/prometheus/common/version
-  local ld="-s -w -X $pkg.Version=$PROMETHEUS_VERSION -X $pkg.Revision=$v -X $pkg.Branch=release"
+  # The release's own number (module v0.316.0 is Prometheus 3.16.0), from the module's VERSION file.
+  local ld="-s -w -X $pkg.Version=$(cat "$dir/VERSION") -X $pkg.Revision=$v -X $pkg.Branch=release"
   ld="$ld -X $pkg.BuildUser=dtjob -X $pkg.BuildDate=19700101-00:00:00"
   local tags=remove_all_sd,enable_kubernetes_sd
   # -mod=readonly: the module cache is read-only, and its go.sum already lists every dependency.

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import time
 import urllib.parse
 import urllib.request
@@ -68,8 +69,10 @@ def release(devcluster: Devcluster) -> Iterator[None]:
     assert up.returncode == 0, up.stderr or up.stdout
     ensure_crd()
     helm("uninstall", RELEASE, "--namespace", SYSTEM_NS, "--wait", timeout=300)
-    kubectl("delete", "namespace", JOBS_NS, "--ignore-not-found", "--wait=true", timeout=180)
+    # An earlier run's namespaces may still be terminating: helm cannot install into one.
+    kubectl("delete", "namespace", JOBS_NS, SYSTEM_NS, "--ignore-not-found", "--wait=true", timeout=180)
     kubectl("create", "namespace", JOBS_NS, check=True)
+    shutil.rmtree(SCRATCH / JOBS_NS, ignore_errors=True)  # an earlier run's step log and checkpoints
     helm(
         "install", RELEASE, str(CHART), "--namespace", SYSTEM_NS, "--create-namespace", "--wait",
         "--timeout", "180s", "--set", f"watchNamespaces={{{JOBS_NS}}}", "--set", "operator.interval=2",
@@ -81,6 +84,7 @@ def release(devcluster: Devcluster) -> Iterator[None]:
         kubectl("delete", "dtj", "--all", "-n", JOBS_NS, "--wait=true", "--timeout=60s")
         helm("uninstall", RELEASE, "--namespace", SYSTEM_NS, "--wait", timeout=300)
         kubectl("delete", "namespace", JOBS_NS, SYSTEM_NS, "--wait=false")
+        shutil.rmtree(SCRATCH / JOBS_NS, ignore_errors=True)
 
 
 def panel_queries(namespace: str, name: str, window_seconds: int) -> list[tuple[str, str]]:
