@@ -77,6 +77,14 @@ def parser() -> argparse.ArgumentParser:
         "on first use, ~10 min; see DTJOB_VOLCANO_TARBALL in devcluster/README.md) with its CRDs "
         "and the default queue; adds them to a running cluster",
     )
+    up.add_argument(
+        "--prometheus",
+        action="store_true",
+        default=None,
+        help="also run Prometheus on 127.0.0.1:9090 (built from its Go modules on first use) with "
+        "the Helm chart's scrape jobs (helm/dtjob/prometheus/scrape-configs.yaml): the operator's "
+        "pod and every worker pod, found by Kubernetes service discovery; adds it to a running cluster",
+    )
     sub.add_parser("down", help="stop everything and remove processes, network and mounts")
     sub.add_parser("status", help="show components and nodes; exit 1 unless all are healthy")
     sub.add_parser("env", help='print shell exports: eval "$(dtjob devcluster env)"')
@@ -114,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
                 "fake_nodes": args.fake_nodes,
                 "fake_gpus_per_node": args.fake_gpus_per_node,
                 "volcano": args.volcano,
+                "prometheus": args.prometheus,
             }
             return cluster.up(layout, requested)
         if args.command == "down":

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import yaml
 
-from dtjob.devcluster import controlplane, kwok, network, nodes, processes, volcano
+from dtjob.devcluster import controlplane, kwok, network, nodes, processes, prometheus, volcano
 from dtjob.devcluster.apiclient import ApiClient
 from dtjob.devcluster.binaries import Binaries
 from dtjob.devcluster.errors import DevclusterError
@@ -47,6 +47,8 @@ class ClusterConfig:
     fake_memory_per_node: str = "512Gi"
     fake_pods_per_node: int = 110
     volcano: bool = False
+    # Prometheus on 127.0.0.1:9090 scraping the operator and the trainers (dtjob.devcluster.prometheus).
+    prometheus: bool = False
 
     @property
     def node_names(self) -> list[str]:
@@ -136,12 +138,16 @@ def up(layout: Layout, requested: dict[str, object], timeout: float = COMPONENT_
         if running and saved is not None:
             # Simulated nodes are API objects: their number may change on a running cluster.
             # --volcano adds Volcano to a running cluster; without it, a running Volcano stays.
+            # The same for --prometheus.
             add_volcano = bool(requested.get("volcano"))
-            config = replace(saved, volcano=saved.volcano or add_volcano)
+            add_prometheus = bool(requested.get("prometheus"))
+            config = replace(
+                saved, volcano=saved.volcano or add_volcano, prometheus=saved.prometheus or add_prometheus
+            )
             fake_nodes = requested.get("fake_nodes")
             if isinstance(fake_nodes, int):
                 config = replace(config, fake_nodes=fake_nodes)
-            shape = {k: v for k, v in requested.items() if k not in ("fake_nodes", "volcano")}
+            shape = {k: v for k, v in requested.items() if k not in ("fake_nodes", "volcano", "prometheus")}
             changed = {k: v for k, v in shape.items() if v is not None and getattr(saved, k) != v}
             if changed:
                 raise DevclusterError(
@@ -159,12 +165,16 @@ def up(layout: Layout, requested: dict[str, object], timeout: float = COMPONENT_
         if config.fake_nodes:
             kwok.check_shape(config.nodes)
             kwok.check_buildable()
+        if config.prometheus:
+            prometheus.check_buildable()
 
         binaries.check_buildable(config.volcano)
         check_ports(layout, config)
         binaries.build_missing(layout.log("build"), volcano=config.volcano)
         if config.fake_nodes:
             kwok.build_missing(layout.log("build"))
+        if config.prometheus:
+            prometheus.build_missing(layout.log("build"))
         started: list[str] = []
         try:
             _start_missing(layout, binaries, config, running, started, timeout)
@@ -238,6 +248,8 @@ def _start_missing(
         )
     if config.volcano:
         _start_volcano(layout, binaries, started, timeout)
+    if config.prometheus:
+        prometheus.ensure(layout, started)
 
 
 def _start_volcano(layout: Layout, binaries: Binaries, started: list[str], timeout: float) -> None:
@@ -329,6 +341,7 @@ def down(layout: Layout) -> int:
     anything left: processes, mounts under the state directory. etcd's data goes too."""
     with locked(layout):
         was_up = is_up(layout)
+        prometheus.stop(layout)
         kwok.stop(layout)
         names = sorted(p.name for p in layout.nodes.iterdir()) if layout.nodes.is_dir() else []
         for name in names:
@@ -413,6 +426,10 @@ def status(layout: Layout) -> int:
         good, lines = kwok.status_lines(layout, config.fake_nodes)
         ok &= good
         print("\n".join(lines))
+    if config.prometheus:
+        good, line = prometheus.status_line(layout)
+        ok &= good
+        print(line)
     return 0 if ok else 1
 
 

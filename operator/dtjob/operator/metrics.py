@@ -16,6 +16,9 @@ from dtjob.operator.actions import JobRecovered, JobRestarted
 from dtjob.operator.recoveries import CAUSES
 from dtjob.operator.timefmt import from_rfc3339
 
+# The stages of a reconcile pass (the label `stage` of dtjob_operator_reconcile_errors_total).
+RECONCILE_STAGES = ("observe", "decide", "act")
+
 PHASES = tuple(phase.value for phase in JobPhase)
 
 
@@ -80,6 +83,9 @@ class OperatorMetrics:
         self._lock = threading.Lock()
         for phase in PHASES:
             self.jobs.labels(phase=phase).set(0)
+        # Zero, not absent, until a pass fails: the dashboard's error panel shows 0 on a healthy operator.
+        for stage in RECONCILE_STAGES:
+            self.reconcile_errors.labels(stage=stage)
 
     def _job_metrics(self) -> None:
         """The per-job series of contract.JOB_METRICS (#43): labels namespace, name (and cause)."""
