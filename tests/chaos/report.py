@@ -22,7 +22,9 @@ class Outcome:
     the checkpoint's step.
     training_again: rank 0 first logged a step of a later generation (the step log); for
     volume-full, the step after the refused checkpoint's.
-    steps_lost: steps run before the fault and run again after it."""
+    steps_lost: steps run before the fault and run again after it.
+    from_memory: the new gang resumed from the in-memory snapshots (its first step log record says
+    resumed_from "memory"), not from a durable checkpoint."""
 
     kind: str
     job: str
@@ -33,6 +35,7 @@ class Outcome:
     damaged_step: int | None = None
     exited: float | None = None
     exit_code: int | None = None
+    from_memory: bool = False
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:

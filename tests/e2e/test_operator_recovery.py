@@ -107,7 +107,10 @@ def test_a_sigkilled_trainer_restarts_in_place_in_the_same_pods(op: Operator) ->
     log = step_log(op, "inplace")
     before = [r["step"] for r in log if r["in_place_restarts"] == 0]
     after = [r["step"] for r in log if r["in_place_restarts"] == 1]
-    assert before == list(range(1, 8)) and after == list(range(6, steps + 1)), "resumed from step 5"
+    # The gang resumed from the in-memory snapshot of step 7 (#42), not the checkpoint of step 5:
+    # no step redone.
+    assert before == list(range(1, 8)) and after == list(range(8, steps + 1)), (before, after)
+    assert next(r for r in log if r["in_place_restarts"] == 1).get("resumed_from") == "memory"
     assert 'dtjob_operator_gang_restarts_total{reason="InPlace"} 1.0' in op.metrics()
     record({"measure": "sigkill_to_first_step_in_place_seconds", "value": round(again_at - killed_at, 1)})
 

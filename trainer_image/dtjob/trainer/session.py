@@ -208,6 +208,9 @@ class ElasticSession:
         self.start_step = 0
         self.step = 0
         self._resumed = False
+        # What the first step after `resume` says it resumed from, in its step log record (read by
+        # the e2e and chaos tests: a step logged twice was redone): "memory" or "checkpoint".
+        self._resumed_from: str | None = None
         self._timer = StepTimer(self.device)  # step times on the device's timeline (#41)
         self.last_saved_step = -1
         self._failed_saves = 0  # periodic checkpoints in a row the volume refused
@@ -313,6 +316,7 @@ class ElasticSession:
             log.info("no checkpoint in %s; starting at step 1", self.checkpointer.root)
             return 0
         step = loaded.step
+        self._resumed_from = "memory" if in_memory else "checkpoint"
         if loaded.manifest["world_size"] != self.world_size:
             # Per-rank random streams cannot be carried across world sizes; derive fresh ones.
             self._seed_everything(
@@ -431,6 +435,8 @@ class ElasticSession:
         if self.device.type == "cuda":
             m.observe_gpu_memory(self.device)
         m.step_seconds.set(seconds)
+        if self._resumed_from is not None:
+            record["resumed_from"], self._resumed_from = self._resumed_from, None
         record.update(fields)
         if isinstance(fields.get("lr"), (int, float)):
             m.learning_rate.set(fields["lr"])
