@@ -80,16 +80,28 @@ def _worker(rank: int, args: Any, out: str) -> None:
         params = sum(p.numel() for p in build(args.width, args.depth).parameters())
         ratios = [o / d for o, d in zip(medians["offload"], medians["device"], strict=True)]
         for name, ms in medians.items():
-            print(f"{name:8s} median step {statistics.median(ms) * 1e3:8.2f} ms  runs: "
-                  + " ".join(f"{m * 1e3:.1f}" for m in ms))  # fmt: skip
-        print(f"offload / device: median {statistics.median(ratios):.3f}, runs "
-              + " ".join(f"{r:.3f}" for r in ratios))  # fmt: skip
+            print(
+                f"{name:8s} median step {statistics.median(ms) * 1e3:8.2f} ms  runs: "
+                + " ".join(f"{m * 1e3:.1f}" for m in ms)
+            )
+        print(
+            f"offload / device: median {statistics.median(ratios):.3f}, runs "
+            + " ".join(f"{r:.3f}" for r in ratios)
+        )
         result = {
-            "world": args.world, "params": params, "width": args.width, "depth": args.depth,
-            "batch": args.batch, "seq": args.seq, "steps": args.steps, "runs": args.runs,
+            "world": args.world,
+            "params": params,
+            "width": args.width,
+            "depth": args.depth,
+            "batch": args.batch,
+            "seq": args.seq,
+            "steps": args.steps,
+            "runs": args.runs,
             "median_step_s": {k: statistics.median(v) for k, v in medians.items()},
-            "run_medians_s": medians, "ratios": ratios, "torch": torch.__version__,
-        }  # fmt: skip
+            "run_medians_s": medians,
+            "ratios": ratios,
+            "torch": torch.__version__,
+        }
         (ROOT / "bench" / "results" / "offload.json").write_text(json.dumps(result, indent=1) + "\n")
     dist.destroy_process_group()
 

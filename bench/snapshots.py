@@ -36,11 +36,17 @@ def _worker(rank: int, world: int, port: int, args: dict[str, Any], out: str) ->
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     os.environ.update(
         {
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world),
-            "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "DTJOB_HEARTBEAT_TIMEOUT": "0",
-            "DTJOB_SNAPSHOT_DIR": os.path.join(out, f"pod{rank}"), "DTJOB_JOB_UID": "bench",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": "0",
+            "LOCAL_WORLD_SIZE": "1",
+            "DTJOB_HEARTBEAT_TIMEOUT": "0",
+            "DTJOB_SNAPSHOT_DIR": os.path.join(out, f"pod{rank}"),
+            "DTJOB_JOB_UID": "bench",
         }
-    )  # fmt: skip
+    )
     from dtjob.trainer.models import GPT, GPTConfig
     from dtjob.trainer.parallel import data_parallel
     from dtjob.trainer.session import ElasticSession

@@ -45,9 +45,11 @@ def test_a_job_on_another_live_jobs_checkpoint_directory_waits_for_it_then_resum
     shared = {"volume": {"hostPath": {"path": str(SCRATCH / op.namespace / "first" / "checkpoints")}}}
     apply(job_manifest(op, "second", replicas=2, steps=20, checkpoint={**shared, "mountPath": "/ckpt"}))
     held = wait_status(
-        op, "second", "held on the directory",
+        op,
+        "second",
+        "held on the directory",
         lambda s: condition(s, "Waiting").get("reason") == "CheckpointDirInUse",
-    )  # fmt: skip
+    )
     message = condition(held, "Waiting")["message"]
     assert "first" in message and "spec.checkpoint.volume" in message, message
     assert "phase" not in held, "not started"

@@ -74,10 +74,22 @@ def release(devcluster: Devcluster) -> Iterator[None]:
     kubectl("create", "namespace", JOBS_NS, check=True)
     shutil.rmtree(SCRATCH / JOBS_NS, ignore_errors=True)  # an earlier run's step log and checkpoints
     helm(
-        "install", RELEASE, str(CHART), "--namespace", SYSTEM_NS, "--create-namespace", "--wait",
-        "--timeout", "180s", "--set", f"watchNamespaces={{{JOBS_NS}}}", "--set", "operator.interval=2",
-        check=True, timeout=300,
-    )  # fmt: skip
+        "install",
+        RELEASE,
+        str(CHART),
+        "--namespace",
+        SYSTEM_NS,
+        "--create-namespace",
+        "--wait",
+        "--timeout",
+        "180s",
+        "--set",
+        f"watchNamespaces={{{JOBS_NS}}}",
+        "--set",
+        "operator.interval=2",
+        check=True,
+        timeout=300,
+    )
     try:
         yield
     finally:
@@ -90,8 +102,12 @@ def release(devcluster: Devcluster) -> Iterator[None]:
 def panel_queries(namespace: str, name: str, window_seconds: int) -> list[tuple[str, str]]:
     """(panel title, PromQL) of every target of the dashboard, its variables substituted as
     Grafana would for this job over a window of `window_seconds`."""
-    values = {"$namespace": namespace, "$job": name, "$__range": f"{window_seconds}s",
-              "$__rate_interval": RATE_INTERVAL}  # fmt: skip
+    values = {
+        "$namespace": namespace,
+        "$job": name,
+        "$__range": f"{window_seconds}s",
+        "$__rate_interval": RATE_INTERVAL,
+    }
     out = []
     for panel in json.loads(DASHBOARD.read_text())["panels"]:
         for target in panel["targets"]:
@@ -107,8 +123,9 @@ def test_goodput_recoveries_and_every_dashboard_panel_through_prometheus(release
     op = Operator(JOBS_NS, SCRATCH / f"{JOBS_NS}-unused.log")  # the chart's operator serves JOBS_NS
     name, steps = "prom", 40
     # --peak-tflops: MFU needs the device's peak, unknown for a CPU; 0.01 TFLOP/s keeps it well below 1.
-    manifest = job_manifest(op, name, replicas=2, steps=steps, checkpoint_every=5, gate=8,
-                            trainer_args=["--peak-tflops=0.01"])  # fmt: skip
+    manifest = job_manifest(
+        op, name, replicas=2, steps=steps, checkpoint_every=5, gate=8, trainer_args=["--peak-tflops=0.01"]
+    )
     started = time.time()
     apply(manifest)
     wait_step(op, name, 8)

@@ -153,9 +153,12 @@ def run_gang(
     out.mkdir(parents=True)
     multiprocessing.get_context("forkserver").set_forkserver_preload(["torch", "torch.distributed", __name__])
     ctx = mp.start_processes(
-        _worker, args=(world, pod_size, _free_port(), case, str(out)), nprocs=world, join=False,
+        _worker,
+        args=(world, pod_size, _free_port(), case, str(out)),
+        nprocs=world,
+        join=False,
         start_method="forkserver",
-    )  # fmt: skip
+    )
     deadline = time.monotonic() + timeout
     while not ctx.join(timeout=1):
         if time.monotonic() > deadline:

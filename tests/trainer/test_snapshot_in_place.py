@@ -30,17 +30,36 @@ def _agents(tmp_path: Path, args: list[str]) -> Gang:
     master_port, agent_port = free_port(), free_port()
     procs = []
     for pod in (0, 1):
-        env = trainer_env(**{
-            contract.ENV_RANK: str(pod), contract.ENV_WORLD_SIZE: "2", contract.ENV_MASTER_ADDR: "127.0.0.1",
-            contract.ENV_MASTER_PORT: str(master_port), contract.ENV_AGENT_PORT: str(agent_port),
-            contract.ENV_RESTARTS_LEFT: "3", contract.ENV_SNAPSHOT_EVERY: "1",
-            contract.ENV_SNAPSHOT_DIR: str(tmp_path / f"memory-of-pod-{pod}"),
-        })  # fmt: skip
-        command = [sys.executable, "-m", "dtjob.launcher", "--", sys.executable, "-m", "dtjob.trainer",
-                   *args, "--log-file", str(log_file)]  # fmt: skip
+        env = trainer_env(
+            **{
+                contract.ENV_RANK: str(pod),
+                contract.ENV_WORLD_SIZE: "2",
+                contract.ENV_MASTER_ADDR: "127.0.0.1",
+                contract.ENV_MASTER_PORT: str(master_port),
+                contract.ENV_AGENT_PORT: str(agent_port),
+                contract.ENV_RESTARTS_LEFT: "3",
+                contract.ENV_SNAPSHOT_EVERY: "1",
+                contract.ENV_SNAPSHOT_DIR: str(tmp_path / f"memory-of-pod-{pod}"),
+            }
+        )
+        command = [
+            sys.executable,
+            "-m",
+            "dtjob.launcher",
+            "--",
+            sys.executable,
+            "-m",
+            "dtjob.trainer",
+            *args,
+            "--log-file",
+            str(log_file),
+        ]
         with (logs / f"rank{pod}.out").open("wb") as out, (logs / f"rank{pod}.err").open("wb") as err:
-            procs.append(subprocess.Popen(command, env=env, stdout=out, stderr=err, cwd=tmp_path,
-                                          start_new_session=True))  # fmt: skip
+            procs.append(
+                subprocess.Popen(
+                    command, env=env, stdout=out, stderr=err, cwd=tmp_path, start_new_session=True
+                )
+            )
     return Gang(procs, logs, log_file)
 
 
@@ -54,8 +73,10 @@ def test_a_killed_trainer_restarted_in_place_resumes_from_memory_and_redoes_no_s
         pids = [p.pid for p in agents.procs]
         # Step 6's snapshot (and its buddy copy) is in both pods' memory before the kill.
         memory = [tmp_path / f"memory-of-pod-{pod}" for pod in (0, 1)]
-        wait_for(lambda: all(len(list(m.glob("run-*/step-00000006/*.json"))) == 2 for m in memory),
-                 "step 6's snapshot and buddy copy in both pods")  # fmt: skip
+        wait_for(
+            lambda: all(len(list(m.glob("run-*/step-00000006/*.json"))) == 2 for m in memory),
+            "step 6's snapshot and buddy copy in both pods",
+        )
         wait_for(lambda: all(len(_standbys(pid, ready=True)) == 1 for pid in pids), "both standbys ready")
         victim = _trainers(pids[1])
         assert len(victim) == 1

@@ -114,8 +114,13 @@ def test_a_smaller_gang_from_memory_continues_as_from_a_checkpoint_of_that_step(
     root = _copy(ddp_killed, tmp_path)
     from_memory = run_gang(2, 1, _case(root, "ddp"), root / "out")
     assert [r["start"] for r in from_memory] == [DIE_AFTER] * 2
-    yardstick_case = {"strategy": "ddp", "checkpoint_dir": str(ddp_killed / "x7"), "snapshot_every": 0,
-                      "pods": [str(tmp_path / "none0"), str(tmp_path / "none1")], "uid": "x7"}  # fmt: skip
+    yardstick_case = {
+        "strategy": "ddp",
+        "checkpoint_dir": str(ddp_killed / "x7"),
+        "snapshot_every": 0,
+        "pods": [str(tmp_path / "none0"), str(tmp_path / "none1")],
+        "uid": "x7",
+    }
     from_checkpoint = run_gang(2, 1, yardstick_case, tmp_path / "yardstick")
     assert [r["start"] for r in from_checkpoint] == [DIE_AFTER] * 2
     _same_trajectory(from_memory[0]["losses"], from_checkpoint[0]["losses"], DIE_AFTER)

@@ -28,9 +28,11 @@ def sd_targets(pod: dict[str, Any], ip: str = "10.244.1.7") -> list[Labels]:
     """The targets Kubernetes service discovery (role pod) makes of a pod: one per container port
     (the meta labels these jobs read, and the address)."""
     meta = pod["metadata"]
-    common = {"__meta_kubernetes_namespace": meta.get("namespace", "default"),
-              "__meta_kubernetes_pod_name": meta["name"],
-              "__meta_kubernetes_pod_phase": (pod.get("status") or {}).get("phase", "Running")}  # fmt: skip
+    common = {
+        "__meta_kubernetes_namespace": meta.get("namespace", "default"),
+        "__meta_kubernetes_pod_name": meta["name"],
+        "__meta_kubernetes_pod_phase": (pod.get("status") or {}).get("phase", "Running"),
+    }
     common |= {
         f"__meta_kubernetes_pod_label_{_meta_name(k)}": v for k, v in (meta.get("labels") or {}).items()
     }
@@ -77,8 +79,10 @@ def scraped(job_name: str, pods: list[dict[str, Any]]) -> list[Labels]:
 def operator_pod() -> dict[str, Any]:
     deployment = next(d for d in render() if d["kind"] == "Deployment")
     template = deployment["spec"]["template"]
-    return {"metadata": {**template["metadata"], "name": "dtjob-abc12", "namespace": "dtjob-system"},
-            "spec": template["spec"]}  # fmt: skip
+    return {
+        "metadata": {**template["metadata"], "name": "dtjob-abc12", "namespace": "dtjob-system"},
+        "spec": template["spec"],
+    }
 
 
 def a_worker_pod(rank: int) -> dict[str, Any]:

@@ -193,8 +193,13 @@ def test_the_cache_fills_the_claims_and_triggers_held_jobs_when_the_owner_finish
     fired: list[tuple[str, str]] = []
     cache.trigger = lambda ns, name, urgent=False: fired.append((ns, name))
     path = "/apis/training.dtjob.io/v1alpha1/namespaces/ml/distributedtrainingjobs"
-    jobs = Informer(None, "jobs in ml", path, indexes={"namespace": _namespace_of},  # type: ignore[arg-type]
-                    on_change=cache._job_changed)  # fmt: skip
+    jobs = Informer(
+        None,
+        "jobs in ml",
+        path,
+        indexes={"namespace": _namespace_of},  # type: ignore[arg-type]
+        on_change=cache._job_changed,
+    )
     cache.jobs = [jobs]
 
     def versioned(job: dict[str, Any], rv: int) -> dict[str, Any]:
