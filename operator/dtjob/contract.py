@@ -106,6 +106,14 @@ METRIC_IN_PLACE_RESTART_FAILED_AT = "dtjob_trainer_in_place_restart_failed_at_se
 # Progress for the job's status.progress and eta (#43): the run's total steps, and rank 0's last
 # step's global tokens per second and MFU (0..1, absent when the device's peak is unknown).
 METRIC_TOTAL_STEPS = "dtjob_trainer_total_steps"
+# When this process completed its first step (unix seconds): the end of the recovery before it,
+# exact, where the operator's next scrape sees the step up to a scrape interval (1-8 s) later.
+METRIC_FIRST_STEP_TIME = "dtjob_trainer_first_step_timestamp_seconds"
+# The step this process resumed from and when that state was written: the steps a new gang redid
+# and when a planned stop's old gang stopped, which its newest checkpoint no longer tells once
+# the new gang has written one (a scrape can come 8 s late, after it).
+METRIC_RESUMED_STEP = "dtjob_trainer_resumed_step"
+METRIC_RESUMED_STATE_TIME = "dtjob_trainer_resumed_state_timestamp_seconds"
 METRIC_TOKENS_PER_SECOND = "dtjob_trainer_tokens_per_second"
 METRIC_MFU = "dtjob_trainer_model_flops_utilization"
 
@@ -472,6 +480,9 @@ METRICS: dict[str, str] = {
     METRIC_IN_PLACE_RESTARTS: "DTJOB_IN_PLACE_RESTARTS, label `cause` = DTJOB_RESTART_CAUSE",
     METRIC_IN_PLACE_RESTART_FAILED_AT: "DTJOB_RESTART_FAILED_AT (absent before the first restart in place)",
     METRIC_TOTAL_STEPS: "the run's total steps (absent: not known to the trainer)",
+    METRIC_FIRST_STEP_TIME: "when this process completed its first step (unix seconds; 0 before it)",
+    METRIC_RESUMED_STEP: "the step this process resumed from (0: from the start)",
+    METRIC_RESUMED_STATE_TIME: "when the state it resumed from was written (unix seconds; 0: none)",
     METRIC_TOKENS_PER_SECOND: "tokens per second over the recent steps",
     METRIC_MFU: "model FLOPs utilization, 0..1 (absent: the device's peak is unknown)",
 }

@@ -181,3 +181,21 @@ def test_causes_are_a_bounded_set() -> None:
         for r in ("NodeLost", "PeerLost", "WorkerDeleted", "X")
         for c in (None, 1, 143)
     } <= set(recoveries.CAUSES)
+
+
+def test_a_gangs_first_sample_keeps_the_time_since_its_first_step_when_rank_0_says_it() -> None:
+    """The first scrape of a new rank 0 came at step 10, 9 s after its first step: steps 2-10
+    took those 9 s, all kept. Without the first step's time they were lost (the e2e's steady job
+    read 6 points of goodput too few)."""
+    ledger = fold(0.0, Sample(11.0, 10, "0.0", 0, first_step_time=2.0))
+    assert (ledger.kept_seconds, ledger.steps_per_second) == (9.0, 1.0)
+    assert fold(0.0, Sample(11.0, 10, "0.0", 0)).kept_seconds == 0.0
+
+
+def test_a_new_gangs_late_first_sample_splits_its_time_between_redone_and_new_steps() -> None:
+    """Highest step 13, the new gang resumed from 10, did step 11 at 19 s and is seen at 16 at
+    23 s: steps 12-16 took 4 s, of which 14-16 are new (3/5 of 4 s) and 11-13 redone."""
+    before = fold(0.0, Sample(1.0, 1, "0.0"), Sample(13.0, 13, "0.0"))
+    after = record(before, Sample(23.0, 16, "1.0", 10, first_step_time=19.0))
+    assert after.steps_redone == 3
+    assert after.kept_seconds - before.kept_seconds == pytest.approx(4.0 * 3 / 5)

@@ -208,6 +208,83 @@ def test_an_unset_failure_time_gauge_reads_as_unknown_and_a_pod_clock_ahead_is_c
     assert job["status"]["recoveries"][-1]["detectionSeconds"] == 0.0, "never a failure after the pass"
 
 
+def _progress(step: int, checkpoint: int, checkpoint_time: float, first_step_time: float) -> TrainerProgress:
+    return TrainerProgress(
+        step=step,
+        checkpoint_step=checkpoint,
+        checkpoint_time=at(checkpoint_time).timestamp(),
+        checkpoints_published=True,
+        first_step_time=at(first_step_time).timestamp(),
+    )
+
+
+def test_a_recovery_ends_when_rank_0_stepped_not_when_a_scrape_saw_it() -> None:
+    """A SIGKILL at 20 s (the container's finish), the new gang's first step at 27.5 s, seen by
+    the operator's scrape at 31 s: 7.5 s down, not 11 (the e2e found the scrape's lag in the
+    figure). Its checkpoint (10 s) is older than the failure: the downtime starts at the failure."""
+    status = running_status(since=0)
+    accounting.start(status, at(0))
+    accounting.sample(status, trainer(18, 10), at(18))
+    accounting.restarted(
+        status,
+        reason="WorkerFailed",
+        now=at(21),
+        failed_at=at(20),
+        exit_code=137,
+        planned=False,
+        size_before=4,
+    )
+    closed = accounting.sample(status, _progress(12, 10, 10, 27.5), at(31))
+    assert closed is not None and closed["downtimeSeconds"] == 7.5
+
+
+def test_a_planned_stop_is_down_from_the_old_gangs_checkpoint_not_from_the_decision() -> None:
+    """kubectl scale decided at 20 s; the old gang trained on and checkpointed step 22 at 22.5 s;
+    the new gang stepped at 26 s: 3.5 s down (the old gang's steps after the decision were kept)."""
+    status = running_status(since=0)
+    accounting.start(status, at(0))
+    accounting.sample(status, trainer(20, 15), at(20))
+    accounting.restarted(
+        status, reason="ScaleDown", now=at(20), failed_at=None, exit_code=None, planned=True, size_before=4
+    )
+    status["generation"] = 1
+    closed = accounting.sample(status, _progress(23, 22, 22.5, 26), at(28))
+    assert closed is not None and closed["downtimeSeconds"] == 3.5
+
+
+def test_steps_redone_count_from_where_the_gang_resumed_even_after_its_next_checkpoint() -> None:
+    """Killed at step 13 (checkpoint 10); the operator's first sample of the new gang comes late,
+    at step 16, after it checkpointed step 15: it redid 11-13, as rank 0's resumed step says (from
+    the newest checkpoint alone the ledger counted 0; the e2e saw it)."""
+    status = running_status(since=0)
+    accounting.start(status, at(0))
+    accounting.sample(status, trainer(13, 10), at(13))
+    accounting.restarted(
+        status,
+        reason="WorkerFailed",
+        now=at(14),
+        failed_at=at(13),
+        exit_code=137,
+        planned=False,
+        size_before=4,
+    )
+    status["generation"] = 1  # the new gang (restarts.new_generation)
+    late = TrainerProgress(
+        step=16,
+        checkpoint_step=15,
+        checkpoint_time=at(21).timestamp(),
+        checkpoints_published=True,
+        first_step_time=at(19).timestamp(),
+        resumed_step=10,
+        resumed_state_time=at(10).timestamp(),
+    )
+    closed = accounting.sample(status, late, at(23))
+    assert status["goodput"]["stepsRedone"] == 3
+    assert closed is not None and closed["downtimeSeconds"] == 6.0, (
+        "from the kill at 13 s to the step at 19 s"
+    )
+
+
 def test_a_job_without_accounts_gets_no_new_fields_and_a_new_job_starts_them() -> None:
     old = make_job(status=running_status(since=0))
     patch = status_patch(run(old, gang(4), two_nodes(), now=20, progress=trainer(15, 10)))

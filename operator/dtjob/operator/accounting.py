@@ -87,9 +87,12 @@ def sample(status: dict[str, Any], progress: TrainerProgress, now: datetime) -> 
         return None  # a trainer still starting says nothing; a job without accounts gets none
     now = now.replace(microsecond=0)  # as the status's timestamps hold it
     gang = gang_of(status, progress)
-    resume = progress.checkpoint_step or 0
+    # Where this gang resumed from; from a trainer that does not say, its newest checkpoint
+    resume = progress.resumed_step if progress.resumed_step is not None else progress.checkpoint_step or 0
     before = _ledger(status, now)
-    ledger = goodput.record(before, Sample(_whole(now), progress.step, gang, resume))
+    ledger = goodput.record(
+        before, Sample(_whole(now), progress.step, gang, resume, progress.first_step_time)
+    )
     if ledger != before:
         _write_goodput(status, ledger, _whole(now))
     total = progress.total_steps or (status.get("progress") or {}).get("totalSteps")
@@ -107,7 +110,16 @@ def sample(status: dict[str, Any], progress: TrainerProgress, now: datetime) -> 
     detected = from_rfc3339(records[-1]["detectedAt"]) if records else None
     if progress.step <= resume or detected is None or detected >= now:
         return None  # not stepping yet, or a restart in place this very pass found
-    records, closed = recoveries.close(records, now)
+    # The new gang stepped again when its rank 0 says (a scrape sees it 1-8 s late), not after
+    # this pass (a pod's clock may run ahead).
+    stepped = now
+    if progress.first_step_time is not None:
+        stepped = min(now, datetime.fromtimestamp(progress.first_step_time, UTC))
+    state_time = (
+        progress.resumed_state_time if progress.resumed_step is not None else progress.checkpoint_time
+    )
+    written = None if state_time is None else datetime.fromtimestamp(state_time, UTC)
+    records, closed = recoveries.close(records, stepped, written)
     if closed is not None:
         status["recoveries"] = records
     return closed

@@ -522,10 +522,13 @@ class ClusterCache:
                 jobs = f"/apis/{GROUP}/{VERSION}" + (f"/namespaces/{quoted(ns)}" if ns else "") + f"/{PLURAL}"
                 self.jobs.append(
                     Informer(
-                        self.raw, f"jobs{where}", jobs, indexes={"namespace": _namespace_of},
+                        self.raw,
+                        f"jobs{where}",
+                        jobs,
+                        indexes={"namespace": _namespace_of},
                         on_change=self._job_changed,
                     )
-                )  # fmt: skip
+                )
             self.nodes = Informer(
                 self.raw, "nodes", "/api/v1/nodes", trim=trim_node, on_change=self._node_changed
             )

@@ -44,6 +44,11 @@ class TrainerProgress:
     in_place_restarts: int | None = None
     restart_cause: str | None = None
     restart_failed_at: float | None = None  # unix seconds
+    # When rank 0's process completed its first step (unix seconds; None: not yet, or unknown).
+    first_step_time: float | None = None
+    # The step rank 0's process resumed from (0: the start) and when that state was written.
+    resumed_step: int | None = None
+    resumed_state_time: float | None = None
     # The run's total steps, and the global tokens/s and MFU of rank 0's last step (#43).
     total_steps: int | None = None
     tokens_per_second: float | None = None

@@ -65,13 +65,18 @@ def is_open(record: Mapping[str, Any]) -> bool:
 
 
 def close(
-    records: Sequence[Mapping[str, Any]], at: datetime
+    records: Sequence[Mapping[str, Any]], at: datetime, resumed_state_at: datetime | None = None
 ) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
-    """The records with the open one (the newest, if open) closed at `at`, and that record."""
+    """The records with the open one (the newest, if open) closed at `at`, and that record.
+    `resumed_state_at`: when the state the new gang resumed from was written, if known; a planned
+    stop's old gang trains on after the decision until it checkpoints, so its downtime starts at
+    that checkpoint (a failure's checkpoint is older than the failure: no change)."""
     out = [dict(r) for r in records]
     if not out or not is_open(out[-1]):
         return out, None
     failed = _failed_at(out[-1]) or at
+    if resumed_state_at is not None and failed < resumed_state_at <= at:
+        failed = resumed_state_at
     out[-1]["downtimeSeconds"] = round(max(0.0, (at - failed).total_seconds()), 1)
     return out, out[-1]
 

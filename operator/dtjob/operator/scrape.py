@@ -66,6 +66,9 @@ TRAINER_GAUGES = {
     contract.METRIC_TOKENS_PER_SECOND: "tokens_per_second",
     contract.METRIC_MFU: "mfu",
     contract.METRIC_IN_PLACE_RESTART_FAILED_AT: "restart_failed_at",
+    contract.METRIC_FIRST_STEP_TIME: "first_step_time",
+    contract.METRIC_RESUMED_STEP: "resumed_step",
+    contract.METRIC_RESUMED_STATE_TIME: "resumed_state_time",
 }
 
 
@@ -109,6 +112,9 @@ def parse_trainer_metrics(text: str) -> TrainerProgress:
         in_place_restarts=in_place,
         restart_cause=cause or None,
         restart_failed_at=values.get("restart_failed_at") or None,  # an unset gauge reads 0
+        first_step_time=values.get("first_step_time") or None,
+        resumed_step=int(values["resumed_step"]) if "resumed_step" in values else None,
+        resumed_state_time=values.get("resumed_state_time") or None,
         total_steps=int(values["total_steps"]) if "total_steps" in values else None,
         tokens_per_second=values.get("tokens_per_second"),
         mfu=values.get("mfu"),

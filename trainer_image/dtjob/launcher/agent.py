@@ -177,8 +177,10 @@ class Agent:
                     )
                     self.coordinator.start()
                 except OSError as err:  # the trainers still run; their failures go to the operator
-                    self._say(f"cannot listen on {contract.ENV_AGENT_PORT}={settings.agent_port}: {err}; "
-                              "no restarts in place")  # fmt: skip
+                    self._say(
+                        f"cannot listen on {contract.ENV_AGENT_PORT}={settings.agent_port}: {err}; "
+                        "no restarts in place"
+                    )
             host = "127.0.0.1" if settings.pod == 0 else settings.master_addr
             self.link = Link(host, settings.agent_port, settings.pod, settings.job_uid, settings.liveness)
             self.link.start()
@@ -301,8 +303,10 @@ class Agent:
                     contract.ENV_RESTART_FAILED_AT: f"{failed_at:.3f}",
                 }
                 warm = self.local.start(env)
-                self._say(f"restart in place {self.round}: {cause} ({warm} of {self.settings.nproc} "
-                          "trainers from warm standbys)")  # fmt: skip
+                self._say(
+                    f"restart in place {self.round}: {cause} ({warm} of {self.settings.nproc} "
+                    "trainers from warm standbys)"
+                )
                 return None
             if isinstance(answer, protocol.GiveUp):
                 self._say(f"the restart in place failed: {answer.reason}")

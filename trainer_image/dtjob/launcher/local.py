@@ -52,8 +52,10 @@ class Standby:
         # SPT_NOENV: its new process title must not overwrite /proc/PID/environ.
         self.proc = subprocess.Popen(
             [target.interpreter, "-m", "dtjob.launcher.standby", f"--ready-fd={ready_w}", "--", *command],
-            env={**env, "SPT_NOENV": "1"}, stdin=subprocess.PIPE, pass_fds=(ready_w,),
-        )  # fmt: skip
+            env={**env, "SPT_NOENV": "1"},
+            stdin=subprocess.PIPE,
+            pass_fds=(ready_w,),
+        )
         os.close(ready_w)
         self._ready_fd: int | None = ready_r
         self._ready = False

@@ -60,6 +60,15 @@ class TrainerMetrics:
             "dtjob_trainer_checkpoint_load_seconds", "duration of the checkpoint load at start", registry=r
         )
         self.step_seconds = Gauge("dtjob_trainer_step_seconds", "wall time of the last step", registry=r)
+        self.resumed_step = Gauge(
+            contract.METRIC_RESUMED_STEP, "the step this process resumed from", registry=r
+        )
+        self.resumed_state_time = Gauge(
+            contract.METRIC_RESUMED_STATE_TIME, "when the state it resumed from was written", registry=r
+        )
+        self.first_step_time = Gauge(
+            contract.METRIC_FIRST_STEP_TIME, "when this process completed its first step", registry=r
+        )
         self.model_flops_utilization = Gauge(
             contract.METRIC_MFU,
             "model FLOPs per second of the last step over the device's peak (0..1; absent when unknown)",

@@ -182,12 +182,17 @@ class ElasticSession:
         self.fence = fence.claim(self.checkpoint_dir, g.rank, g.generation)
         self.checkpointer = (
             Checkpointer(
-                self.checkpoint_dir, g.rank, g.world_size, g.generation, keep_checkpoints, self.group,
+                self.checkpoint_dir,
+                g.rank,
+                g.world_size,
+                g.generation,
+                keep_checkpoints,
+                self.group,
                 self.fence,
             )
             if self.checkpoint_dir is not None
             else None
-        )  # fmt: skip
+        )
         every = snapshot_every if snapshot_every is not None else env.snapshot_every
         self.snapshots = (
             Snapshots(
@@ -211,6 +216,7 @@ class ElasticSession:
         # What the first step after `resume` says it resumed from, in its step log record (read by
         # the e2e and chaos tests: a step logged twice was redone): "memory" or "checkpoint".
         self._resumed_from: str | None = None
+        self._first_step_time: float | None = None  # served as METRIC_FIRST_STEP_TIME
         self._timer = StepTimer(self.device)  # step times on the device's timeline (#41)
         self.last_saved_step = -1
         self._failed_saves = 0  # periodic checkpoints in a row the volume refused
@@ -328,6 +334,8 @@ class ElasticSession:
         m = self.metrics
         m.checkpoint_load_seconds.set(loaded.seconds)
         m.step.set(step)
+        m.resumed_step.set(step)
+        m.resumed_state_time.set(float(loaded.manifest.get("time") or 0))
         if not in_memory:  # a snapshot is no durable checkpoint
             self.last_saved_step = step
             self.last_saved_time = float(loaded.manifest["time"])
@@ -435,6 +443,9 @@ class ElasticSession:
         if self.device.type == "cuda":
             m.observe_gpu_memory(self.device)
         m.step_seconds.set(seconds)
+        if self._first_step_time is None:
+            self._first_step_time = time.time()
+            m.first_step_time.set(self._first_step_time)
         if self._resumed_from is not None:
             record["resumed_from"], self._resumed_from = self._resumed_from, None
         record.update(fields)
@@ -519,8 +530,11 @@ class ElasticSession:
             return
         if self.heartbeat is not None:
             first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-            log.error("%s; waiting up to %.0fs for the heartbeat to name the lost rank", first,
-                      self.heartbeat.verdict_seconds)  # fmt: skip
+            log.error(
+                "%s; waiting up to %.0fs for the heartbeat to name the lost rank",
+                first,
+                self.heartbeat.verdict_seconds,
+            )
             self.heartbeat.await_verdict(lambda: self.stop.requested)
 
     def _excepthook(self, kind: type[BaseException], err: BaseException, tb: Any) -> None:

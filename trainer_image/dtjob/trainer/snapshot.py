@@ -312,9 +312,12 @@ class Snapshots:
             log.info(
                 "snapshots every %d step(s) in %s: %.1f MiB of host memory per rank (own state %.1f MiB, "
                 "buddy copy %.1f MiB)",
-                self.every, self.root, mine / 2**20, sizes[0] / 2**20,
+                self.every,
+                self.root,
+                mine / 2**20,
+                sizes[0] / 2**20,
                 (sizes[(0 - self.pod_size) % self.world_size] if self.owner is not None else 0) / 2**20,
-            )  # fmt: skip
+            )
         for first in range(0, self.world_size, self.pod_size):
             pod = range(first, min(first + self.pod_size, self.world_size))
             total = sum(need(r) for r in pod)

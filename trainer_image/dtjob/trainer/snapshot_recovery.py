@@ -109,8 +109,14 @@ def needed_files(state: TrainState, manifest: Mapping[str, Any], rank: int) -> s
     return files
 
 
-def _fetch(snaps: Snapshots, step: int, infos: dict[int, dict[str, Any]], holders: Holders,
-           needs: list[list[str]], staging: Path) -> None:  # fmt: skip
+def _fetch(
+    snaps: Snapshots,
+    step: int,
+    infos: dict[int, dict[str, Any]],
+    holders: Holders,
+    needs: list[list[str]],
+    staging: Path,
+) -> None:
     """Every rank's needed files into its staging directory: linked where its pod holds them,
     else sent by a holder (the k-th needer of a file takes the k-th holder, round robin). The
     transfers run in one global order, so each pair's send and receive meet without deadlock."""
