@@ -41,7 +41,8 @@ def test_recovery_picks_the_newest_step_whose_every_shard_is_held_somewhere() ->
 
 def test_recovery_takes_no_snapshot_older_than_the_checkpoint_nor_of_mixed_worlds() -> None:
     held = [[_held(7, 0, 2), _held(7, 1, 2)], []]
-    assert choose(held, durable=7)[0] is None  # not newer than the checkpoint: load that
+    assert choose(held, durable=8)[0] is None  # older than the checkpoint: load that
+    assert choose(held, durable=7)[0] == 7, "at the checkpoint's step, memory (no disk read)"
     mixed = [[_held(9, 0, 2), _held(9, 1, 4)], [_held(9, 2, 4), _held(9, 3, 4)]]
     step, _, _, lost = choose(mixed, durable=5)
     assert step is None and lost == ["the snapshot of step 9 lost shards (mixed worlds)"]

@@ -2,7 +2,7 @@
 
 Every rank of the new gang lists the complete rank files in its pod's snapshot directory (its own,
 the buddy copies it holds, and its pod-mates': they share the directory), and the ranks all-gather
-that inventory. They pick the newest step newer than the newest durable checkpoint for which every
+that inventory. They pick the newest step, at or after the newest durable checkpoint, for which every
 rank file of that step's world is held by some rank. Each rank then works out which files its
 own shards need (the ranges `TrainState.load` will read, from the manifest built out of the files'
 indexes), the ranks fetch the files they lack from holders point-to-point over a gloo group, into
@@ -62,8 +62,10 @@ def newest_durable_step(root: Path | None) -> int:
 def choose(
     held: list[list[dict[str, Any]]], durable: int
 ) -> tuple[int | None, dict[int, dict[str, Any]], Holders, list[str]]:
-    """From every rank's inventory: the newest complete step newer than `durable` (None: none), its
-    files' infos by owner, who holds each file, and for each newer incomplete step what it lost."""
+    """From every rank's inventory: the newest complete step at or after `durable` (None: none),
+    its files' infos by owner, who holds each file, and for each such incomplete step what it lost.
+    At the durable checkpoint's own step memory wins: no disk read, and a damaged checkpoint file
+    (the chaos soak's) costs nothing, where it sent the gang 9 steps back to the one before."""
     holders: Holders = {}
     infos: dict[tuple[int, int], dict[str, Any]] = {}
     for rank, items in enumerate(held):
@@ -72,7 +74,7 @@ def choose(
             holders.setdefault(key, []).append(rank)
             infos.setdefault(key, info)
     lost: list[str] = []
-    for step in sorted({s for s, _ in infos if s > durable}, reverse=True):
+    for step in sorted({s for s, _ in infos if s >= durable}, reverse=True):
         owners = {o: infos[(step, o)] for s, o in infos if s == step}
         worlds = {int(i["meta"]["world_size"]) for i in owners.values()}
         world = max(worlds)
@@ -157,7 +159,7 @@ def recover(
     durable_root: Path | None,
     check: Callable[[dict[str, Any]], None] | None = None,
 ) -> tuple[Loaded | None, list[str]]:
-    """Load the newest complete snapshot newer than the durable checkpoint into `state` (every rank
+    """Load the newest complete snapshot, at or after the durable checkpoint, into `state` (every rank
     calls it). Returns what was loaded (None: nothing newer in memory; load the durable checkpoint)
     and, when newer snapshots were incomplete, what each lost."""
     started = time.perf_counter()
