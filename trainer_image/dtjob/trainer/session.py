@@ -103,7 +103,7 @@ class ElasticSession:
     snapshot_dir / snapshot_every / snapshot_memory_limit: in-memory snapshots (snapshot.py; env
         DTJOB_SNAPSHOT_DIR, default /dev/shm/dtjob-snapshots; DTJOB_SNAPSHOT_EVERY, default 1, 0:
         off; DTJOB_SNAPSHOT_MEMORY_LIMIT, bytes per pod, 0: the cgroup's). Only with a
-        checkpoint_dir: a restart resumes from the newest snapshot newer than the newest checkpoint.
+        checkpoint_dir: a restart resumes from the newest snapshot at or after the newest checkpoint.
     """
 
     def __init__(
@@ -384,11 +384,9 @@ class ElasticSession:
                 self.save(step)
             elif due:
                 self._save_or_go_on(step)
-            # A step just checkpointed needs no snapshot: recovery takes memory only when newer.
-            snapshot = (
-                self.snapshots is not None and self.snapshots.due(step) and self.last_saved_step != step
-            )
-            if snapshot and self.snapshots is not None and self.state is not None:
+            # A step just checkpointed is snapshotted too: a checkpoint file damaged on its volume
+            # then costs nothing (recovery prefers memory at the checkpoint's step).
+            if self.snapshots is not None and self.snapshots.due(step) and self.state is not None:
                 self.snapshots.take(step, self.state, self._meta(step))
             if stopping:
                 if self.checkpointer is None:
