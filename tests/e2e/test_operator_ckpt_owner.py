@@ -1,6 +1,6 @@
 """Operator e2e on the devcluster: a job given another live job's checkpoint directory is held
 with no pods, names the other job, and starts on its own (resuming from that directory) once the
-other job has finished (reconciler rule 2a, dtjob.operator.ownership)."""
+other job has finished (reconciler rule 2, dtjob.operator.ownership)."""
 
 from __future__ import annotations
 

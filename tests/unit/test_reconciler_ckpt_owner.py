@@ -1,4 +1,4 @@
-"""One writer per checkpoint directory (reconciler rule 2a, dtjob.operator.ownership): a job whose
+"""One writer per checkpoint directory (reconciler rule 2, dtjob.operator.ownership): a job whose
 directory another live job of its namespace owns is held with no pods, says so, and starts on its
 own once the owner finishes or is deleted."""
 

@@ -486,7 +486,7 @@ class ClusterCache:
             self._fire_held_behind(old)
 
     def _fire_held_behind(self, job: Obj) -> None:
-        """The jobs of the namespace held by reconciler rule 2a on a directory that overlaps the
+        """The jobs of the namespace held by reconciler rule 2 on a directory that overlaps the
         one `job` just released (finished or deleted): their pass may start them now."""
         namespace, name = key_of(job)
         directory = ownership.checkpoint_dir(job)

@@ -198,7 +198,7 @@ class Kube:
 
     def _checkpoint_claims(self, job: dict[str, Any]) -> list[ownership.Claim]:
         """Observed.checkpoint_claims: the other live jobs of the namespace on an overlapping
-        checkpoint directory, for a job that has not started (the only ones rule 2a holds)."""
+        checkpoint directory, for a job that has not started (the only ones rule 2 holds)."""
         view = JobView(job)
         if view.status.get("phase"):
             return []

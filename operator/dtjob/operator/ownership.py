@@ -1,5 +1,5 @@
 """One writer per checkpoint directory: a job that has not started yet waits while another live
-job of its namespace uses the same directory (reconciler rule 2a).
+job of its namespace uses the same directory (reconciler rule 2).
 
 "The same directory" (`CheckpointDir`): the trainer writes at the root of the volume of
 spec.checkpoint.volume (mounted at spec.checkpoint.mountPath, no subPath), so the directory is
