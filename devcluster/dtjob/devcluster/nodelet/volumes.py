@@ -8,6 +8,7 @@ pod. Anything else fails the pod with reason UnsupportedVolume.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,9 @@ SUPPORTED = (
 )
 # What the kubelet asks for when a projected token names no expiry (one hour and seven seconds).
 DEFAULT_TOKEN_EXPIRY_S = 3607
+# How long a TokenRequest refused by the node authorizer is retried (its graph sees a new pod's
+# binding within milliseconds; 10 s covers an API server under load).
+TOKEN_RETRY_SECONDS = 10.0
 ROOT_CA_CONFIGMAP = "kube-root-ca.crt"
 
 
@@ -226,10 +230,20 @@ class VolumeBuilder:
         if src.get("audience"):
             spec["audiences"] = [src["audience"]]
         body = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": spec}
-        answer = await self.api.request(
-            "POST", f"/api/v1/namespaces/{self.ns}/serviceaccounts/{sa}/token", body=body
-        )
-        return str(answer["status"]["token"]).encode()
+        path = f"/api/v1/namespaces/{self.ns}/serviceaccounts/{sa}/token"
+        # The node authorizer lets a node ask for the token of a pod bound to it only once its graph
+        # has seen the binding: a pod started the moment it is bound can be refused (403, "no
+        # relationship found between node ... and this serviceaccount"; seen once in a CI run).
+        # The kubelet's token manager retries; so does this, for up to TOKEN_RETRY_SECONDS.
+        deadline = asyncio.get_running_loop().time() + TOKEN_RETRY_SECONDS
+        while True:
+            try:
+                answer = await self.api.request("POST", path, body=body)
+                return str(answer["status"]["token"]).encode()
+            except ApiError as e:
+                if e.status != 403 or asyncio.get_running_loop().time() >= deadline:
+                    raise
+            await asyncio.sleep(0.2)
 
     async def _get(self, path: str) -> Obj | None:
         try:
