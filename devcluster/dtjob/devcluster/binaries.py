@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -140,3 +141,32 @@ class Binaries:
 def _last_line(path: Path) -> str:
     lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
     return lines[-1].strip() if lines else "no output"
+
+
+def check_go_buildable(name: str, built: bool, where: Path, script: Path) -> None:
+    """A tool built from Go modules (KWOK, Prometheus): refuse early, naming the fix, when it is not
+    cached and cannot be built here."""
+    if built:
+        return
+    if shutil.which("go") is None:
+        raise DevclusterError(
+            f"{name} is not cached in {where} and the Go toolchain is missing; "
+            "install Go >= 1.26 (on PATH as `go`) and run again"
+        )
+    if not script.is_file():
+        raise DevclusterError(f"{script} is missing; run from a dtjob checkout to build {name}")
+
+
+def run_go_build(name: str, script: Path, log: Path, built: Callable[[], bool], how_long: str) -> bool:
+    """Run `script` (DTJOB_CACHE set) when `built()` is false, its output appended to `log`;
+    returns whether a build ran, raises naming the log's last line when it failed."""
+    if built():
+        return False
+    log.parent.mkdir(parents=True, exist_ok=True)
+    print(f"devcluster: building {name} ({how_long} when cold; log: {log})", flush=True)
+    env = {**os.environ, "DTJOB_CACHE": str(cache_dir())}
+    with log.open("ab") as out:
+        result = subprocess.run(["bash", str(script)], stdout=out, stderr=out, env=env, check=False)
+    if result.returncode != 0 or not built():
+        raise DevclusterError(f"building {name} failed ({_last_line(log)}); full log: {log}")
+    return True

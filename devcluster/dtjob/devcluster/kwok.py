@@ -23,7 +23,6 @@ import ipaddress
 import json
 import os
 import shutil
-import subprocess
 import time
 import urllib.request
 from pathlib import Path
@@ -31,7 +30,13 @@ from typing import Any
 
 from dtjob.devcluster import processes
 from dtjob.devcluster.apiclient import ApiClient
-from dtjob.devcluster.binaries import DEVCLUSTER_SOURCE, cache_dir, read_versions
+from dtjob.devcluster.binaries import (
+    DEVCLUSTER_SOURCE,
+    cache_dir,
+    check_go_buildable,
+    read_versions,
+    run_go_build,
+)
 from dtjob.devcluster.errors import DevclusterError
 from dtjob.devcluster.host import port_free
 from dtjob.devcluster.layout import BRIDGE_ADDRESS, POD_NETWORK, Layout
@@ -94,33 +99,13 @@ def _built() -> bool:
 
 
 def check_buildable() -> None:
-    if _built():
-        return
-    if shutil.which("go") is None:
-        raise DevclusterError(
-            f"KWOK v{version()} is not cached in {bin_dir()} and the Go toolchain is missing; "
-            "install Go >= 1.26 (on PATH as `go`) and run again"
-        )
-    if not BUILD_SCRIPT.is_file():
-        raise DevclusterError(f"{BUILD_SCRIPT} is missing; run from a dtjob checkout to build KWOK")
+    check_go_buildable(f"KWOK v{version()}", _built(), bin_dir(), BUILD_SCRIPT)
 
 
 def build_missing(log: Path) -> bool:
-    """Runs build-kwok.sh when KWOK is not cached; returns whether a build ran."""
-    if _built():
-        return False
+    """Runs the build script when KWOK is not cached; returns whether a build ran."""
     check_buildable()
-    log.parent.mkdir(parents=True, exist_ok=True)
-    print(f"devcluster: building kwok v{version()} (about 7 minutes when cold; log: {log})", flush=True)
-    env = {**os.environ, "DTJOB_CACHE": str(cache_dir())}
-    with log.open("ab") as out:
-        result = subprocess.run(["bash", str(BUILD_SCRIPT)], stdout=out, stderr=out, env=env, check=False)
-    if result.returncode != 0 or not _built():
-        lines = [x for x in log.read_text(errors="replace").splitlines() if x.strip()]
-        raise DevclusterError(
-            f"building kwok failed ({lines[-1] if lines else 'no output'}); full log: {log}"
-        )
-    return True
+    return run_go_build(f"kwok v{version()}", BUILD_SCRIPT, log, _built, "about 7 minutes")
 
 
 def state_dir(layout: Layout) -> Path:

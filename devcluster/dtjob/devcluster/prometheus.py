@@ -17,7 +17,6 @@ from __future__ import annotations
 import copy
 import os
 import shutil
-import subprocess
 import time
 import urllib.request
 from pathlib import Path
@@ -27,7 +26,13 @@ import yaml
 
 from dtjob.devcluster import pki, processes
 from dtjob.devcluster.apiclient import ApiClient
-from dtjob.devcluster.binaries import DEVCLUSTER_SOURCE, cache_dir, read_versions
+from dtjob.devcluster.binaries import (
+    DEVCLUSTER_SOURCE,
+    cache_dir,
+    check_go_buildable,
+    read_versions,
+    run_go_build,
+)
 from dtjob.devcluster.controlplane import APISERVER_URL, last_log_line
 from dtjob.devcluster.errors import DevclusterError
 from dtjob.devcluster.layout import Layout
@@ -62,33 +67,13 @@ def _built() -> bool:
 
 
 def check_buildable() -> None:
-    if _built():
-        return
-    if shutil.which("go") is None:
-        raise DevclusterError(
-            f"Prometheus v{version()} is not cached in {binary().parent} and the Go toolchain is "
-            "missing; install Go >= 1.26 (on PATH as `go`) and run again"
-        )
-    if not BUILD_SCRIPT.is_file():
-        raise DevclusterError(f"{BUILD_SCRIPT} is missing; run from a dtjob checkout to build Prometheus")
+    check_go_buildable(f"Prometheus v{version()}", _built(), binary().parent, BUILD_SCRIPT)
 
 
 def build_missing(log: Path) -> bool:
-    """Runs build-prometheus.sh when Prometheus is not cached; returns whether a build ran."""
-    if _built():
-        return False
+    """Runs the build script when Prometheus is not cached; returns whether a build ran."""
     check_buildable()
-    log.parent.mkdir(parents=True, exist_ok=True)
-    print(f"devcluster: building prometheus v{version()} (minutes when cold; log: {log})", flush=True)
-    env = {**os.environ, "DTJOB_CACHE": str(cache_dir())}
-    with log.open("ab") as out:
-        result = subprocess.run(["bash", str(BUILD_SCRIPT)], stdout=out, stderr=out, env=env, check=False)
-    if result.returncode != 0 or not _built():
-        lines = [x for x in log.read_text(errors="replace").splitlines() if x.strip()]
-        raise DevclusterError(
-            f"building prometheus failed ({lines[-1] if lines else 'no output'}); full log: {log}"
-        )
-    return True
+    return run_go_build(f"prometheus v{version()}", BUILD_SCRIPT, log, _built, "minutes")
 
 
 def chart_scrape_configs(path: Path = SCRAPE_CONFIGS) -> list[dict[str, Any]]:
