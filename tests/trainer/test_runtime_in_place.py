@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -59,8 +60,14 @@ def _trainers(agent_pid: int) -> list[int]:
     return [p for p, cmd in _children(agent_pid).items() if b"dtjob.launcher" not in cmd]
 
 
-def _agents(tmp_path: Path, args: list[str], metrics_port: int) -> Gang:
-    """Two pod agents over `python -m dtjob.trainer`; rank 0 serves its metrics at metrics_port."""
+def _agents(
+    tmp_path: Path,
+    args: list[str],
+    metrics_port: int = 0,
+    pod_env: Callable[[int], dict[str, str]] | None = None,
+) -> Gang:
+    """Two pod agents over `python -m dtjob.trainer`; rank 0 serves its metrics at metrics_port (0:
+    none); `pod_env(pod)`: more environment for that pod's agent."""
     logs = tmp_path / "in-place-logs"
     logs.mkdir()
     log_file = tmp_path / "in-place.jsonl"
@@ -76,6 +83,7 @@ def _agents(tmp_path: Path, args: list[str], metrics_port: int) -> Gang:
                 contract.ENV_AGENT_PORT: str(agent_port),
                 contract.ENV_RESTARTS_LEFT: "3",
                 contract.ENV_METRICS_PORT: str(metrics_port if pod == 0 else 0),
+                **(pod_env(pod) if pod_env is not None else {}),
             }
         )
         command = [

@@ -9,58 +9,28 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from dtjob import contract
-from tests.trainer.runtime_gang import Gang, free_port, launch, trainer_env, wait_for
+from tests.trainer.runtime_gang import Gang, launch, wait_for
 from tests.trainer.test_runtime_in_place import ARGS, REL_TOL, _standbys, _trainers
+from tests.trainer.test_runtime_in_place import _agents as pod_agents
 
 pytestmark = pytest.mark.slow
 
 
 def _agents(tmp_path: Path, args: list[str]) -> Gang:
-    """Two pod agents over `python -m dtjob.trainer`, snapshots every step in each pod's directory."""
-    logs = tmp_path / "in-place-logs"
-    logs.mkdir()
-    log_file = tmp_path / "in-place.jsonl"
-    master_port, agent_port = free_port(), free_port()
-    procs = []
-    for pod in (0, 1):
-        env = trainer_env(
-            **{
-                contract.ENV_RANK: str(pod),
-                contract.ENV_WORLD_SIZE: "2",
-                contract.ENV_MASTER_ADDR: "127.0.0.1",
-                contract.ENV_MASTER_PORT: str(master_port),
-                contract.ENV_AGENT_PORT: str(agent_port),
-                contract.ENV_RESTARTS_LEFT: "3",
-                contract.ENV_SNAPSHOT_EVERY: "1",
-                contract.ENV_SNAPSHOT_DIR: str(tmp_path / f"memory-of-pod-{pod}"),
-            }
-        )
-        command = [
-            sys.executable,
-            "-m",
-            "dtjob.launcher",
-            "--",
-            sys.executable,
-            "-m",
-            "dtjob.trainer",
-            *args,
-            "--log-file",
-            str(log_file),
-        ]
-        with (logs / f"rank{pod}.out").open("wb") as out, (logs / f"rank{pod}.err").open("wb") as err:
-            procs.append(
-                subprocess.Popen(
-                    command, env=env, stdout=out, stderr=err, cwd=tmp_path, start_new_session=True
-                )
-            )
-    return Gang(procs, logs, log_file)
+    """test_runtime_in_place's two pod agents, snapshots every step in each pod's directory."""
+    return pod_agents(
+        tmp_path,
+        args,
+        pod_env=lambda pod: {
+            contract.ENV_SNAPSHOT_EVERY: "1",
+            contract.ENV_SNAPSHOT_DIR: str(tmp_path / f"memory-of-pod-{pod}"),
+        },
+    )
 
 
 def test_a_killed_trainer_restarted_in_place_resumes_from_memory_and_redoes_no_step(tmp_path: Path) -> None:
