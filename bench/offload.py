@@ -29,25 +29,10 @@ sys.path.insert(0, str(ROOT / "trainer_image"))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch import nn  # noqa: E402
+
+from tp import build  # noqa: E402  (bench/tp.py: the same MLP blocks)
 
 VARIANTS = {"device": None, "offload": "optimizer"}
-
-
-class Block(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.ln = nn.LayerNorm(width)
-        self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(F.gelu(self.up(self.ln(x))))
-
-
-def build(width: int, depth: int) -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(*(Block(width) for _ in range(depth)))
 
 
 def _worker(rank: int, args: Any, out: str) -> None:
