@@ -42,10 +42,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
-from torch.utils._pytree import tree_flatten
 
 from dtjob.trainer.models import GPT, MLP, GPTConfig, MLPConfig
+from dtjob.trainer.parallel.memory import PeakBytes, live_tensor_bytes
+from dtjob.trainer.parallel.memory import plain_tensors as _plain_tensors
 from tests.trainer._p2p_check import Recorder
 
 GPT_SMALL = {"vocab": 32, "width": 16, "depth": 2, "heads": 2, "seq_len": 8}
@@ -177,109 +177,6 @@ def _train_reference(case: dict[str, Any]) -> tuple[list[float], dict[str, torch
         opt.step()
         losses.append(float(loss.detach()))
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def live_tensor_bytes() -> int:
-    """Bytes of every distinct tensor storage reachable from Python objects right now."""
-    gc.collect()
-    seen: set[int] = set()
-    total = 0
-    for obj in gc.get_objects():
-        # type(): no __getattr__. A wrapper subclass (FSDP2's DTensor) has no storage of its own:
-        # its local tensor is an object of its own here.
-        if (
-            issubclass(type(obj), torch.Tensor)
-            and obj.device.type == "cpu"
-            and not is_traceable_wrapper_subclass(obj)
-        ):
-            storage = obj.untyped_storage()
-            ptr = storage.data_ptr()
-            if ptr and ptr not in seen:
-                seen.add(ptr)
-                total += storage.nbytes()
-    return total
-
-
-class PeakBytes(TorchDispatchMode):
-    """Bytes of CPU tensor storages allocated while active and not yet freed: `current`, and `peak`
-    since the last `reset_peak()`.
-
-    Every op's outputs pass through here: an output storage that is none of the op's inputs' is a
-    new allocation (a view or an in-place op shares an input's), counted until its storage object
-    dies (a weakref callback; torch keeps one Python object per live storage). A storage whose size
-    changes (UntypedStorage.resize_, as ZeRO-3 and FSDP2 free and regrow gathered parameters, or an
-    op resizing its input) counts the difference. Sees what runs on this thread, which is all of a
-    CPU step (autograd runs CPU backward on the calling thread) but the collectives' own scratch.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.current = self.peak = 0
-        self._counted: dict[int, int] = {}  # storage _cdata -> bytes counted for it
-        self._refs: dict[int, weakref.ref[torch.UntypedStorage]] = {}
-        self._resize = torch.UntypedStorage.resize_
-
-    def reset_peak(self) -> None:
-        self.peak = self.current
-
-    def _add(self, storage: torch.UntypedStorage, delta: int) -> None:
-        key = storage._cdata
-        if key not in self._counted:
-            self._counted[key] = 0
-            self._refs[key] = weakref.ref(storage, lambda _, k=key: self._freed(k))
-        self._counted[key] += delta
-        self.current += delta
-        self.peak = max(self.peak, self.current)
-
-    def _freed(self, key: int) -> None:
-        self.current -= self._counted.pop(key, 0)
-        self._refs.pop(key, None)
-
-    def __enter__(self) -> PeakBytes:
-        tracker = self
-
-        def resize_(storage: torch.UntypedStorage, size: int) -> Any:
-            before = storage.nbytes()
-            result = tracker._resize(storage, size)
-            if storage.device.type == "cpu" and storage.nbytes() != before:
-                tracker._add(storage, storage.nbytes() - before)
-            return result
-
-        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
-        super().__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        torch.UntypedStorage.resize_ = self._resize  # type: ignore[method-assign]
-        super().__exit__(*exc)
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        inputs = [t.untyped_storage() for t in _plain_tensors((args, kwargs or {}))]
-        sizes = {st._cdata: st.nbytes() for st in inputs}
-        out = func(*args, **(kwargs or {}))
-        for st in inputs:  # an input resized in place (out= ops, resize_)
-            if st.nbytes() != sizes[st._cdata]:
-                self._add(st, st.nbytes() - sizes[st._cdata])
-                sizes[st._cdata] = st.nbytes()
-        for t in _plain_tensors(out):
-            st = t.untyped_storage()
-            if st._cdata not in sizes and st._cdata not in self._counted:
-                self._add(st, st.nbytes())
-        return out
-
-
-def _plain_tensors(value: Any) -> list[torch.Tensor]:
-    """The CPU tensors with storage in `value`: a wrapper subclass (DTensor) by its inner tensors."""
-    out = []
-    for t in tree_flatten(value)[0]:
-        if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
-            continue
-        if is_traceable_wrapper_subclass(t):
-            names, _ = t.__tensor_flatten__()
-            out += _plain_tensors([getattr(t, n) for n in names])
-        else:
-            out.append(t)
-    return out
 
 
 def _shards_to_plain(state: Any, prefix: str = "") -> dict[str, tuple[Any, int, torch.Tensor]]:

@@ -26,6 +26,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from dtjob.trainer.parallel import full_state_dict, fully_shard
 from dtjob.trainer.parallel.common import NotSupported
+from dtjob.trainer.parallel.memory import PeakBytes, storage_bytes
 from dtjob.trainer.parallel.shards import local_tensor
 from dtjob.trainer.train_state import TrainState
 from tests.trainer import _parallel_harness as harness
@@ -154,16 +155,6 @@ def train_reference(accum: int) -> tuple[list[float], dict[str, torch.Tensor]]:
 # --- memory ----------------------------------------------------------------------------------------
 
 
-def storages_of(tensors: list[torch.Tensor]) -> dict[int, int]:
-    """data_ptr -> bytes of each distinct storage behind `tensors` (a DTensor: its local tensor)."""
-    out = {}
-    for t in tensors:
-        st = local_tensor(t).untyped_storage()
-        if st.data_ptr():  # a freed ZeRO-3 `full` has none
-            out[st.data_ptr()] = st.nbytes()
-    return out
-
-
 def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
 
@@ -183,8 +174,8 @@ def split_bytes(model: Any, optimizer: torch.optim.Optimizer) -> dict[str, int]:
     host_side = list(model.host_tensors())
     if model.offload is not None:
         host_side += optimizer_tensors(optimizer)
-    host = storages_of(host_side)
-    every = storages_of(held)
+    host = storage_bytes(host_side)
+    every = storage_bytes(held)
     assert host.keys() <= every.keys()
     return {"device": sum(every.values()) - sum(host.values()), "host": sum(host.values())}
 
@@ -260,7 +251,7 @@ def run_memory(case: dict[str, Any]) -> dict[str, Any]:
     train(model, optimizer, range(2), 1, rank, world)
     # The third step's forward and backward: the most bytes allocated at once on this thread
     # (PeakBytes), host gradients included (they are allocated as each reduce-scatter finishes).
-    tracker = harness.PeakBytes()
+    tracker = PeakBytes()
 
     def stop_and_measure() -> None:
         tracker.__exit__(None, None, None)
@@ -280,7 +271,7 @@ def run_memory(case: dict[str, Any]) -> dict[str, Any]:
         # Padding: each parameter's shard is padded to whole rows, at most world - 1 rows of it.
         "padding_bound": 4 * (world - 1) * sum(p[0].numel() if p.dim() else 1 for p in build().parameters()),
         "owned": sum(p.length for u in units for p in u.pieces),
-        "optimizer_bytes": sum(storages_of(optimizer_tensors(optimizer)).values()),
+        "optimizer_bytes": sum(storage_bytes(optimizer_tensors(optimizer)).values()),
         "peak": peak,
         "flag_bytes": model._grad_flags.flags.untyped_storage().nbytes(),
     }
