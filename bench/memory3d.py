@@ -1,5 +1,7 @@
 """Memory per rank of every parallel combination at one model size, against the ZeRO formulas
-(issue #44): CPU, gloo, fp32, AdamW, a Hugging Face GPT-2 (tied embedding and head).
+(issue #44): CPU, gloo, fp32, AdamW, a Hugging Face GPT-2 (tied embedding and head). One
+ZeRO-3 row runs under bf16 autocast (the wrappers' mixed_precision="bf16", which works on the
+CPU): parameters, gradients and optimizer state stay fp32, so only its peak can differ.
 
     python bench/memory3d.py                    # GPT-2 of 4.3M parameters, worlds 4 and 8
     python bench/memory3d.py --width 128 --layers 2 --worlds 4
@@ -68,6 +70,7 @@ class Combo:
     wrapper: str = "ddp"
     zero: int = 0
     offload: str | None = None
+    precision: str | None = None  # the wrappers' mixed_precision: autocast, fp32 parameters kept
 
     @property
     def world(self) -> int:
@@ -91,6 +94,7 @@ COMBOS = [
     Combo("ZeRO-2", dp=4, wrapper="zero", zero=2),
     Combo("ZeRO-3", dp=4, wrapper="zero", zero=3),
     Combo("ZeRO-3 + offload", dp=4, wrapper="zero", zero=3, offload="optimizer"),
+    Combo("ZeRO-3, bf16 autocast", dp=4, wrapper="zero", zero=3, precision="bf16"),
     Combo("TP2 x DP2", dp=2, tp=2),
     Combo("TP2 x ZeRO-2", dp=2, tp=2, wrapper="zero", zero=2),
     Combo("TP2 x ZeRO-3", dp=2, tp=2, wrapper="zero", zero=3),
@@ -140,11 +144,12 @@ def _wrap(combo: Combo, model: nn.Module, m: Any) -> Any:
 
     if combo.tp > 1:
         model = tensor_parallel(model, "auto", group=m.tp, collective="ring")
+    options: dict[str, Any] = {"collective": "ring", "mixed_precision": combo.precision}
     if combo.wrapper == "pipeline":
-        return pipeline(model, stages=combo.pp, microbatches=2, group=m.dp_pp, collective="ring")
+        return pipeline(model, stages=combo.pp, microbatches=2, group=m.dp_pp, **options)
     if combo.wrapper == "zero":
-        return fully_shard(model, zero_stage=combo.zero, offload=combo.offload, group=m.dp, collective="ring")
-    return data_parallel(model, group=m.dp, collective="ring")
+        return fully_shard(model, zero_stage=combo.zero, offload=combo.offload, group=m.dp, **options)
+    return data_parallel(model, group=m.dp, **options)
 
 
 def _step(combo: Combo, model: Any, optimizer: torch.optim.Optimizer, tokens: torch.Tensor, m: Any) -> None:
