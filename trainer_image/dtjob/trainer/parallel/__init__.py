@@ -15,7 +15,8 @@ one wrapper at one world size loads into another at another (the pipeline needs 
 Layout: comm.py (the data path: dtjob collectives or native), common.py (shared pieces),
 clip.py (gradient norms over shards), ddp/, fsdp/ (ZeRO 1/2/3), pp/ (pipeline: GPipe, 1F1B, DP x PP),
 tp/ (tensor parallel), mesh3d.py (the 3-D mesh's groups), state_dict.py (full_state_dict), syncbn.py
-(nn.SyncBatchNorm over a wrapper's replica group).
+(nn.SyncBatchNorm over a wrapper's replica group), memory.py (tensor bytes counted on the CPU, for
+the tests' and bench/memory3d.py's memory figures).
 
 Buffers (BatchNorm's running statistics) are rank 0's of each replica group: broadcast before a
 forward as torch's DDP does (`broadcast_buffers=True`, common.BufferBroadcast), and a checkpoint
