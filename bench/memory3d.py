@@ -171,8 +171,9 @@ def _optimizer_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
 
 
-def held_bytes(model: Any, optimizer: torch.optim.Optimizer, baseline: set[int]) -> dict[str, int]:
-    """Bytes of every live storage not in `baseline`, each counted once, by category."""
+def held_bytes(model: Any, optimizer: torch.optim.Optimizer, baseline: set[int]) -> dict[str, Any]:
+    """Bytes of every live storage not in `baseline`, each counted once, by category (and the
+    sizes of the largest storages in "other")."""
     params = _parameters(model)
     units = getattr(model, "units", [])  # fully_shard's flat units
     named = {
