@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -28,6 +27,8 @@ from typing import Any
 
 import torch
 import torch.multiprocessing as mp
+
+from dtjob.devcluster.host import free_port
 
 WARMUP = 5
 
@@ -94,10 +95,7 @@ def _worker(rank: int, world: int, port: int, args: dict[str, Any], out: str) ->
 
 def _gang(world: int, args: dict[str, Any]) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory(prefix="dtjob-bench-snapshots-") as out:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        mp.start_processes(_worker, args=(world, port, args, out), nprocs=world, start_method="spawn")
+        mp.start_processes(_worker, args=(world, free_port(), args, out), nprocs=world, start_method="spawn")
         return [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(world)]
 
 

@@ -9,25 +9,18 @@ EXIT_CODES or METRICS is an error here, so a new name cannot go undocumented.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from pathlib import Path
 
-from dtjob import contract, generated
-from dtjob.api.models import DEFAULT_MASTER_PORT, DEFAULT_METRICS_PORT, ElasticPolicy
-from dtjob.launcher import agent
-from dtjob.operator import jobview, manifests, nodes
+from dtjob import contract, generated, liveness_table
+from dtjob.api.models import DEFAULT_MASTER_PORT, DEFAULT_METRICS_PORT
+from dtjob.operator import jobview, manifests
 from dtjob.operator.metrics import OperatorMetrics
-from dtjob.operator.settings import ObserverSettings, OperatorSettings, ReconcilerSettings
+from dtjob.operator.settings import OperatorSettings
 
 BEGIN = "<!-- contract:begin -->"
 END = "<!-- contract:end -->"
 DESIGN = Path(__file__).resolve().parents[2] / "docs" / "design.md"
-
-
-def _table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> list[str]:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
-    return lines
 
 
 def _constants(prefix: str) -> dict[str, int | str]:
@@ -51,14 +44,14 @@ def environment() -> list[str]:
         (f"`{name}`", who, contract.pod_env_form(name), meaning)
         for name, (who, meaning) in contract.ENVIRONMENT.items()
     ]
-    return _table(("Variable", "Set by", "Form (contract.PodEnv)", "Meaning"), rows)
+    return generated.markdown_table(("Variable", "Set by", "Form (contract.PodEnv)", "Meaning"), rows)
 
 
 def exit_codes() -> list[str]:
     _documented("EXIT_", contract.EXIT_CODES, "EXIT_CODES")
     names = {value: name for name, value in _constants("EXIT_").items()}
     rows = [(code, f"`{names[code]}`", meaning) for code, meaning in sorted(contract.EXIT_CODES.items())]
-    return _table(("Code", "Constant", "Meaning"), rows)
+    return generated.markdown_table(("Code", "Constant", "Meaning"), rows)
 
 
 def metrics() -> list[str]:
@@ -66,7 +59,7 @@ def metrics() -> list[str]:
     rows = [(f"`{name}`", "trainer (gauge)", meaning) for name, meaning in contract.METRICS.items()]
     collectors = OperatorMetrics().registry.collect()
     rows += [(f"`{m.name}`", f"operator ({m.type})", m.documentation) for m in collectors]
-    return _table(("Metric", "Served by", "Meaning"), rows)
+    return generated.markdown_table(("Metric", "Served by", "Meaning"), rows)
 
 
 def ports() -> list[str]:
@@ -89,7 +82,7 @@ def ports() -> list[str]:
         (op.metrics_port, "operator", "its own /metrics", "`--metrics-port`"),
         (liveness.rsplit(":", 1)[-1].split("/")[0], "operator", f"liveness ({liveness})", "`--liveness`"),
     ]
-    return _table(("Port (default)", "Where", "What", "Set by"), rows)
+    return generated.markdown_table(("Port (default)", "Where", "What", "Set by"), rows)
 
 
 def labels() -> list[str]:
@@ -101,96 +94,7 @@ def labels() -> list[str]:
         (f"`{manifests.PODGROUP_ANNOTATION}`", "annotation", "worker pods", "the Volcano PodGroup (gang)"),
         (f"`{jobview.FINALIZER}`", "finalizer", "jobs", "kopf's: the per-job timer needs one"),
     ]
-    return _table(("Name", "Kind", "On", "Value"), rows)
-
-
-SETTING = "spec.elastic.heartbeatTimeoutSeconds"  # T, the one liveness setting
-
-
-def liveness_intro() -> list[str]:
-    """The one setting the in-pod timeouts derive from, said above the table."""
-    default = ElasticPolicy.model_fields["heartbeat_timeout_seconds"].default
-    return [
-        f"T is the job's `{SETTING}` (default {default} s), given to every process",
-        f"as `{contract.ENV_HEARTBEAT_TIMEOUT}`: every timeout inside the pods is a multiple of it",
-        "(`contract.Liveness`; in brackets at the default). The operator's timeouts are its own",
-        "settings (`dtjob operator --help`).",
-    ]
-
-
-def liveness() -> list[str]:
-    """Who finds what, within which time, from the constants that decide it."""
-    T = ElasticPolicy.model_fields["heartbeat_timeout_seconds"].default
-    lv = contract.Liveness(float(T))
-    agent_t = f"{lv.AGENT_TIMEOUT_PER_T:g} T"
-    rec, obs, op = ReconcilerSettings(), ObserverSettings(), OperatorSettings()
-    rows = [
-        (
-            "trainer heartbeat (trainer/heartbeat.py)",
-            "a rank silent (hung, its pod or node cut off) or failed",
-            f"T + 2 beats of min({lv.HEARTBEAT_MAX_BEAT_SECONDS:g} s, T / {lv.HEARTBEAT_BEATS_PER_TIMEOUT}) "
-            f"({lv.heartbeat_verdict_seconds:g} s)",
-            f"peers exit {contract.EXIT_PEER_LOST} naming it",
-        ),
-        (
-            "pod agent (launcher/agent.py)",
-            "a trainer process of its pod exiting",
-            f"{agent.POLL_SECONDS:g} s (poll)",
-            "reports it to the coordinator",
-        ),
-        (
-            "coordinator (launcher/coordinator.py)",
-            "a pod's agent gone (pod frozen, network cut)",
-            f"{agent_t} ({lv.agent_timeout_seconds:g} s; beats every "
-            f"{agent_t} / {lv.AGENT_BEATS_PER_TIMEOUT}, {lv.agent_beat_seconds:g} s)",
-            "no restart in place: the pods fail",
-        ),
-        (
-            "pod agent",
-            "the coordinator gone (pod 0 frozen, network cut)",
-            f"{agent_t} ({lv.agent_timeout_seconds:g} s) without an answer to its beats",
-            "no restart in place: its pod fails",
-        ),
-        (
-            "coordinator",
-            "an agent that does not stop its trainers",
-            f"{lv.STOP_TIMEOUT_PER_T:g} T ({lv.stop_timeout_seconds:g} s)",
-            "gives up the restart in place",
-        ),
-        (
-            "pod agent",
-            "no answer to its failure or its stopped",
-            f"{lv.ANSWER_TIMEOUT_PER_T:g} T ({lv.answer_timeout_seconds:g} s)",
-            "its pod fails",
-        ),
-        (
-            "operator scrape (operator/scrape.py)",
-            "rank 0's step, checkpoints, in-place restarts",
-            f"every {obs.scrape_interval_seconds:g} s, timeout {obs.metrics_timeout_seconds:g} s, "
-            f"backoff to {obs.scrape_backoff_max_seconds:g} s",
-            f"status; MetricsAvailable=False after {rec.metrics_grace_seconds:g} s of none",
-        ),
-        (
-            "operator (reconciler.py)",
-            "a failed, deleted or node-lost worker",
-            f"pod events, pass {op.trigger_delay_seconds:g} s later; resync {op.resync_seconds:g} s",
-            "restarts the gang in new pods",
-        ),
-        (
-            "operator",
-            "a deleted pod its node does not confirm (a silent node)",
-            f"grace + {nodes.SILENT_KUBELET_SECONDS} s (a rank declared lost: "
-            f"{nodes.LOST_RANK_GRACE_SECONDS} s + {nodes.SILENT_LOST_RANK_SECONDS} s)",
-            f"force-deletes it; new pods avoid the node {nodes.SILENT_NODE_AVOID_SECONDS} s",
-        ),
-        (
-            "operator",
-            "a step that does not advance",
-            "elastic.progressDeadlineSeconds (unset: off)",
-            "restarts the gang (counted)",
-        ),
-    ]
-    return _table(("Who", "Detects", "Within", "Then"), rows)
+    return generated.markdown_table(("Name", "Kind", "On", "Value"), rows)
 
 
 def contract_section() -> str:
@@ -199,9 +103,9 @@ def contract_section() -> str:
         "",
         "### Who detects what, within which time",
         "",
-        *liveness_intro(),
+        *liveness_table.intro(),
         "",
-        *liveness(),
+        *liveness_table.table(),
         "",
         "### Environment of every trainer process",
         "",

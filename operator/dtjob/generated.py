@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+
 
 def replace_between(text: str, begin: str, end: str, body: str, *, append: bool = True) -> str:
     """`text` with what lies between `begin` and `end` replaced by `body` (markers kept). Where
@@ -16,3 +18,9 @@ def replace_between(text: str, begin: str, end: str, body: str, *, append: bool 
     head, rest = text.split(begin, 1)
     _, tail = rest.split(end, 1)
     return head + block + tail
+
+
+def markdown_table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> list[str]:
+    """The lines of a Markdown table."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    return lines + ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]

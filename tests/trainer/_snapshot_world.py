@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
-import socket
 import time
 import traceback
 from pathlib import Path
@@ -27,6 +26,8 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 from torch import nn
+
+from tests.trainer.runtime_gang import free_port
 
 STEPS = 12
 GLOBAL_BATCH = 8
@@ -140,12 +141,6 @@ def _worker(rank: int, world: int, pod_size: int, port: int, case: dict[str, Any
     torch.save(result, out / f"rank{rank}.pt")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run_gang(
     world: int, pod_size: int, case: dict[str, Any], out: Path, timeout: float = 300
 ) -> list[dict[str, Any]]:
@@ -154,7 +149,7 @@ def run_gang(
     multiprocessing.get_context("forkserver").set_forkserver_preload(["torch", "torch.distributed", __name__])
     ctx = mp.start_processes(
         _worker,
-        args=(world, pod_size, _free_port(), case, str(out)),
+        args=(world, pod_size, free_port(), case, str(out)),
         nprocs=world,
         join=False,
         start_method="forkserver",

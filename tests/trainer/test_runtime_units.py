@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import socket
 import time
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from dtjob.trainer.data import Corpus, GlobalBatchSampler, TokenWindows
 from dtjob.trainer.lr_schedule import WarmupCosine
 from dtjob.trainer.parallel.comm import COLLECTIVES
 from dtjob.trainer.parallel.shards import FlatShard
+from tests.trainer.runtime_gang import free_port
 
 # --- flags and environment -----------------------------------------------------------------------
 
@@ -234,9 +234,7 @@ def test_latest_valid_skips_newer_broken_ones_and_retention_keeps_k(tmp_path: Pa
 def test_a_worker_waiting_for_its_master_says_where_it_looks(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with socket.socket() as s:  # a port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # a port nothing listens on
     monkeypatch.setattr(elastic, "_WAIT_REPORT_SECONDS", 0.2)
     with caplog.at_level(logging.WARNING, logger="dtjob.trainer"):
         elastic._wait_for_port("localhost", port, time.monotonic() + 1.0)

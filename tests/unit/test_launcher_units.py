@@ -9,8 +9,8 @@ from dtjob.launcher.agent import AgentSettings
 from dtjob.launcher.coordinator import (
     BEAT_TIMEOUT_SECONDS,
     GangState,
-    GiveUp,
     Ignore,
+    NoRestart,
     Restart,
     TrainerExit,
     decide,
@@ -49,16 +49,16 @@ def test_failures_of_another_round_or_during_a_restart_are_ignored() -> None:
 )
 def test_no_restart_in_place_when_it_cannot_help(change: dict[str, object], reason: str) -> None:
     state = _state(**change)
-    assert decide(state, TrainerExit(1, state.round, 1, 1), NOW) == GiveUp(reason)
+    assert decide(state, TrainerExit(1, state.round, 1, 1), NOW) == NoRestart(reason)
 
 
 def test_a_pod_whose_agent_went_silent_or_never_came_stops_restarts_in_place() -> None:
     silent = _state()
     silent.beats[2] = NOW - BEAT_TIMEOUT_SECONDS - 0.1
-    assert decide(silent, TrainerExit(0, 0, 0, 1), NOW) == GiveUp("the agent of pod 2 is not answering")
+    assert decide(silent, TrainerExit(0, 0, 0, 1), NOW) == NoRestart("the agent of pod 2 is not answering")
     missing = _state()
     del missing.beats[1]
-    assert decide(missing, TrainerExit(0, 0, 0, 1), NOW) == GiveUp("the agent of pod 1 is not answering")
+    assert decide(missing, TrainerExit(0, 0, 0, 1), NOW) == NoRestart("the agent of pod 1 is not answering")
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ from dtjob import contract
 from dtjob.api.models import ElasticPolicy
 from dtjob.launcher import protocol
 from dtjob.launcher.agent import AgentSettings
-from dtjob.launcher.coordinator import Coordinator, GangState, GiveUp, Restart, TrainerExit, decide
+from dtjob.launcher.coordinator import Coordinator, GangState, NoRestart, Restart, TrainerExit, decide
 from tests.trainer.runtime_gang import free_port
 
 
@@ -55,7 +55,7 @@ def test_the_coordinators_decision_takes_the_gangs_timeout() -> None:
     failure = TrainerExit(pod=0, round=0, rank=0, code=1)
     for timeout, decision in [
         (10.0, Restart("rank 0 (pod 0) exited 1")),  # silent 2 s < 3 s
-        (4.0, GiveUp("the agent of pod 1 is not answering")),  # silent 2 s > 1.2 s
+        (4.0, NoRestart("the agent of pod 1 is not answering")),  # silent 2 s > 1.2 s
     ]:
         state = GangState(pods=2, restarts_left=1, liveness=contract.Liveness(timeout))
         state.beats = {0: now, 1: now - 2.0}

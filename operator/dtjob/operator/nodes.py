@@ -23,6 +23,8 @@ from dtjob.operator.timefmt import from_rfc3339, to_rfc3339
 # node controller's grace, 20 s here and 40-50 s on a default cluster), or until it turns NotReady,
 # is Ready again after a transition, or renews its Lease: a live kubelet taken for silent renews
 # it within 10 s (the nodelet: 4 s), so a false alarm costs its node seconds, not minutes.
+# None is a multiple of the job's heartbeat timeout T: they time the kubelet and the node
+# controller, which no job setting changes (dtjob/liveness_table.py, docs/design.md).
 SILENT_KUBELET_SECONDS = 5
 SILENT_LOST_RANK_SECONDS = 2
 SILENT_NODE_AVOID_SECONDS = 120

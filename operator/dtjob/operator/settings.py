@@ -42,7 +42,8 @@ class ReconcilerSettings:
     """How long a running generation's rank 0 may serve no dtjob metrics before the operator
     concludes that the trainer publishes none (condition MetricsAvailable=False) and stops
     waiting for a checkpoint before planned rescales. 30 s covers the dtjob trainer's start
-    (importing torch takes up to ~15 s on a loaded 2-core node)."""
+    (importing torch takes up to ~15 s on a loaded 2-core node): a start, not a silence, so it is
+    no multiple of the job's heartbeat timeout T (dtjob/liveness_table.py)."""
 
     node_view_lag_seconds: float = 10.0
     """A pod bound to a node after the NotReady transition in the operator's view of that node is
@@ -106,7 +107,9 @@ class ObserverSettings:
     """Threads scraping rank 0 of every job, each scrape bounded by metrics_timeout_seconds."""
 
     scrape_interval_seconds: float = 1.0
-    """A job's rank 0 is scraped at most this often (a pass in between reuses the last answer)."""
+    """A job's rank 0 is scraped at most this often (a pass in between reuses the last answer).
+    The scrape reads progress and finds no failure, so none of its times is a multiple of the
+    job's heartbeat timeout T (dtjob/liveness_table.py)."""
 
     scrape_backoff_max_seconds: float = 8.0
     """A rank 0 that does not answer is asked again after 1 s, doubling up to this."""

@@ -68,7 +68,9 @@ class Restart:
 
 
 @dataclass(frozen=True)
-class GiveUp:
+class NoRestart:
+    """No restart in place (the coordinator answers the failing pod with protocol.GiveUp)."""
+
     reason: str
 
 
@@ -91,20 +93,20 @@ class GangState:
     liveness: contract.Liveness = field(default_factory=contract.Liveness)
 
 
-def decide(state: GangState, failure: TrainerExit, now: float) -> Restart | GiveUp | Ignore:
+def decide(state: GangState, failure: TrainerExit, now: float) -> Restart | NoRestart | Ignore:
     """Restart the gang in place after `failure`, give up on that, or ignore it. Pure."""
     if failure.round != state.round or state.restarting:
         return Ignore()
     if state.given_up:
-        return GiveUp("an earlier restart in place failed")
+        return NoRestart("an earlier restart in place failed")
     if state.terminating:
-        return GiveUp(f"pod {min(state.terminating)} is being deleted")
+        return NoRestart(f"pod {min(state.terminating)} is being deleted")
     if state.round >= state.restarts_left:
-        return GiveUp(f"no restarts left ({state.round} in place; elastic.maxRestarts)")
+        return NoRestart(f"no restarts left ({state.round} in place; elastic.maxRestarts)")
     timeout = state.liveness.agent_timeout_seconds
     missing = [p for p in range(state.pods) if now - state.beats.get(p, float("-inf")) > timeout]
     if missing:
-        return GiveUp(f"the agent of pod {missing[0]} is not answering")
+        return NoRestart(f"the agent of pod {missing[0]} is not answering")
     return Restart(failure.describe())
 
 
@@ -193,7 +195,7 @@ class Coordinator:
         decision = decide(self.state, failure, now)
         if isinstance(decision, Ignore):
             return
-        if isinstance(decision, GiveUp):
+        if isinstance(decision, NoRestart):
             self._send(failure.pod, protocol.GiveUp(failure.round, decision.reason))
             return
         self.state.restarting = True

@@ -204,7 +204,7 @@ def _refuse(call: _Call, algorithm: str) -> None:
         raise call.refusal
 
 
-def _comm(runner: GroupRunner, tag: int, device: torch.device) -> Peers:
+def _peers(runner: GroupRunner, tag: int, device: torch.device) -> Peers:
     stream_key = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     return Peers(
         runner.group,
@@ -225,9 +225,9 @@ def _calibrate(call: _Call) -> selection.CostModel:
     local = hierarchical.local_world_size(None)
 
     def measure(tag: int) -> str:
-        comm = _comm(runner, tag, device)
-        cost_model(runner, comm, device)
-        agreed = same_everywhere(comm, local, device)
+        peers = _peers(runner, tag, device)
+        cost_model(runner, peers, device)
+        agreed = same_everywhere(peers, local, device)
         runner.cache[f"local_world_size:{device.type}"] = local if agreed else None
         return "calibration"
 
@@ -243,7 +243,7 @@ def _agree(call: _Call, trials: tuning.Trials) -> None:
 
     def agree(tag: int) -> str:
         seconds = torch.tensor(trials.local_seconds(), dtype=torch.float64, device=device)
-        ring.all_reduce(_comm(runner, tag, device), seconds, Reduction(dist.ReduceOp.SUM, torch.float64))
+        ring.all_reduce(_peers(runner, tag, device), seconds, Reduction(dist.ReduceOp.SUM, torch.float64))
         trials.agree(seconds.tolist())
         return "agreement"
 
@@ -352,10 +352,10 @@ def _execute(
         )
 
     def job(tag: int) -> str:
-        comm = _comm(runner, tag, device)
+        peers = _peers(runner, tag, device)
         with torch.no_grad():
             timer = _Timer(device) if trials is not None else None
-            run(algorithm, comm)
+            run(algorithm, peers)
             if trials is not None and timer is not None:
                 trials.add(algorithm, timer.stop())
         return algorithm
@@ -401,16 +401,16 @@ def all_reduce(
     call = _Call.of("allreduce", name, runner, tensor, (kind, reduction, refusal))
     call.local_world_size = local_world_size
 
-    def run(algo: str, comm: Peers) -> None:
+    def run(algo: str, peers: Peers) -> None:
         assert reduction is not None
         flat, copied = _flat(tensor)
         buf = reduction.view(flat)
         if algo == HIER:
             layout = call.pods(agreed_only=False)
             assert isinstance(layout, PodLayout)
-            hierarchical.all_reduce(comm, buf, reduction, layout)
+            hierarchical.all_reduce(peers, buf, reduction, layout)
         else:
-            _ALL_REDUCE[algo](comm, buf, reduction)
+            _ALL_REDUCE[algo](peers, buf, reduction)
         if copied:
             tensor.copy_(flat.view_as(tensor))
 
@@ -451,7 +451,7 @@ def reduce_scatter_tensor(
         return _nothing_to_send([output], async_op)
     call = _Call.of("reduce_scatter", name, runner, input, (kind, reduction, refusal))
 
-    def run(algo: str, comm: Peers) -> None:
+    def run(algo: str, peers: Peers) -> None:
         assert reduction is not None
         src = reduction.view(input.reshape(-1))  # a view of a contiguous input, else a copy
         # The algorithms read src while they write out, so out must not share memory with it.
@@ -462,7 +462,7 @@ def reduce_scatter_tensor(
         )
         out = reduction.view(flat_out)
         width = out.numel()
-        _REDUCE_SCATTER[algo](comm, src, out, [i * width for i in range(n + 1)], reduction)
+        _REDUCE_SCATTER[algo](peers, src, out, [i * width for i in range(n + 1)], reduction)
         if separate:
             output.copy_(flat_out.view_as(output))
 
@@ -501,13 +501,13 @@ def all_gather_into_tensor(
         return _nothing_to_send([output_tensor], async_op)
     call = _Call.of("allgather", name, runner, output_tensor)
 
-    def run(algo: str, comm: Peers) -> None:
+    def run(algo: str, peers: Peers) -> None:
         flat, copied = _flat(output_tensor)
         buf = flat.view(torch.uint8)  # a copy moves bytes: any dtype
         width = call.nbytes // n
         bounds = [i * width for i in range(n + 1)]
-        buf[bounds[comm.rank] : bounds[comm.rank + 1]].copy_(input_tensor.reshape(-1).view(torch.uint8))
-        _ALL_GATHER[algo](comm, buf, bounds)
+        buf[bounds[peers.rank] : bounds[peers.rank + 1]].copy_(input_tensor.reshape(-1).view(torch.uint8))
+        _ALL_GATHER[algo](peers, buf, bounds)
         if copied:
             output_tensor.copy_(flat.view_as(output_tensor))
 
@@ -555,9 +555,9 @@ def broadcast(
         return _nothing_to_send([tensor], async_op)
     call = _Call.of("broadcast", name, runner, tensor)
 
-    def run(algo: str, comm: Peers) -> None:
+    def run(algo: str, peers: Peers) -> None:
         flat, copied = _flat(tensor)
-        _BROADCAST[algo](comm, flat.view(torch.uint8), root)
+        _BROADCAST[algo](peers, flat.view(torch.uint8), root)
         if copied:
             tensor.copy_(flat.view_as(tensor))
 

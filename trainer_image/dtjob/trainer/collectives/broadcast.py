@@ -17,42 +17,42 @@ from dtjob.trainer.collectives import halving_doubling, ring
 from dtjob.trainer.collectives.peers import Peers, balanced_bounds, wait_all
 
 
-def tree(comm: Peers, buf: torch.Tensor, root: int) -> None:
-    n, r = comm.size, comm.rank
+def tree(peers: Peers, buf: torch.Tensor, root: int) -> None:
+    n, r = peers.size, peers.rank
     relative = (r - root) % n
     mask = 1
     while mask < n:
         if relative & mask:
-            wait_all(comm.post(recvs=[(buf, (r - mask) % n)])[1])
+            wait_all(peers.post(recvs=[(buf, (r - mask) % n)])[1])
             break
         mask <<= 1
     mask >>= 1
     sends = []
     while mask > 0:
         if relative + mask < n:
-            sends += comm.post(sends=[(buf, (r + mask) % n)])[0]
+            sends += peers.post(sends=[(buf, (r + mask) % n)])[0]
         mask >>= 1
     wait_all(sends)
 
 
-def _scatter(comm: Peers, buf: torch.Tensor, root: int, bounds: list[int]) -> None:
-    if comm.rank == root:
+def _scatter(peers: Peers, buf: torch.Tensor, root: int, bounds: list[int]) -> None:
+    if peers.rank == root:
         sends = []
-        for peer in range(comm.size):
+        for peer in range(peers.size):
             if peer != root:
-                sends += comm.post(sends=[(buf[bounds[peer] : bounds[peer + 1]], peer)])[0]
+                sends += peers.post(sends=[(buf[bounds[peer] : bounds[peer + 1]], peer)])[0]
         wait_all(sends)
     else:
-        wait_all(comm.post(recvs=[(buf[bounds[comm.rank] : bounds[comm.rank + 1]], root)])[1])
+        wait_all(peers.post(recvs=[(buf[bounds[peers.rank] : bounds[peers.rank + 1]], root)])[1])
 
 
-def scatter_ring(comm: Peers, buf: torch.Tensor, root: int) -> None:
-    bounds = balanced_bounds(buf.numel(), comm.size)
-    _scatter(comm, buf, root, bounds)
-    ring.all_gather(comm, buf, bounds)
+def scatter_ring(peers: Peers, buf: torch.Tensor, root: int) -> None:
+    bounds = balanced_bounds(buf.numel(), peers.size)
+    _scatter(peers, buf, root, bounds)
+    ring.all_gather(peers, buf, bounds)
 
 
-def scatter_doubling(comm: Peers, buf: torch.Tensor, root: int) -> None:
-    bounds = balanced_bounds(buf.numel(), comm.size)
-    _scatter(comm, buf, root, bounds)
-    halving_doubling.all_gather(comm, buf, bounds)
+def scatter_doubling(peers: Peers, buf: torch.Tensor, root: int) -> None:
+    bounds = balanced_bounds(buf.numel(), peers.size)
+    _scatter(peers, buf, root, bounds)
+    halving_doubling.all_gather(peers, buf, bounds)

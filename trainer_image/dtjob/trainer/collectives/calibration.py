@@ -53,7 +53,7 @@ def _now(device: torch.device) -> float:
     return time.perf_counter()
 
 
-def _step_seconds(comm: Peers, device: torch.device) -> dict[tuple[int, bool], float]:
+def _step_seconds(peers: Peers, device: torch.device) -> dict[tuple[int, bool], float]:
     """Seconds per dependent step for each probe in _STEPS: (bytes, with every other rank at once).
 
     Each sample times a chain of steps back to back: a step that must wait for the previous one
@@ -62,7 +62,7 @@ def _step_seconds(comm: Peers, device: torch.device) -> dict[tuple[int, bool], f
     of load shifts all of them alike: the choices depend on their ratios, which the minima of
     separate runs scattered by a factor of 5.
     """
-    n, r = comm.size, comm.rank
+    n, r = peers.size, peers.rank
     probes = {}
     for nbytes, every_peer in _STEPS:
         send = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=device)
@@ -74,7 +74,7 @@ def _step_seconds(comm: Peers, device: torch.device) -> dict[tuple[int, bool], f
         for key, (sends, recvs) in probes.items():
             start = _now(device)
             for _ in range(_CHAIN):
-                send_works, recv_works = comm.post(sends=sends, recvs=recvs)
+                send_works, recv_works = peers.post(sends=sends, recvs=recvs)
                 wait_all(recv_works)
                 wait_all(send_works)
             if round_ > 0:
@@ -94,19 +94,19 @@ def _reduce_seconds_per_byte(dtype: torch.dtype, device: torch.device) -> float:
     return best / _REDUCE_BYTES
 
 
-def measure(comm: Peers, device: torch.device) -> CostModel:
-    """Run the calibration collectively on `comm`'s group with tensors on `device`; identical
+def measure(peers: Peers, device: torch.device) -> CostModel:
+    """Run the calibration collectively on `peers`'s group with tensors on `device`; identical
     result on every rank."""
-    if comm.size == 1:
+    if peers.size == 1:
         return DEFAULT_COSTS
-    steps = _step_seconds(comm, device)
+    steps = _step_seconds(peers, device)
     alpha = steps[8, False]
     beta = max((steps[_BIG, False] - steps[_MID, False]) / (_BIG - _MID), 1e-12)
     # What each of the n-2 further message pairs of a direct step adds to a plain exchange.
-    overhead = max((steps[8, True] - alpha) / (n - 2), 0.0) if (n := comm.size) > 2 else 0.0
+    overhead = max((steps[8, True] - alpha) / (n - 2), 0.0) if (n := peers.size) > 2 else 0.0
     gammas = [_reduce_seconds_per_byte(d, device) for d in _DTYPES]
     local = torch.tensor([alpha, beta, overhead, *gammas], dtype=torch.float64, device=device)
-    ring.all_reduce(comm, local, Reduction(dist.ReduceOp.AVG, torch.float64))
+    ring.all_reduce(peers, local, Reduction(dist.ReduceOp.AVG, torch.float64))
     values = local.tolist()
     return CostModel(
         alpha=values[0],
@@ -116,21 +116,21 @@ def measure(comm: Peers, device: torch.device) -> CostModel:
     )
 
 
-def same_everywhere(comm: Peers, value: int, device: torch.device) -> bool:
-    """Whether every rank of `comm` passed the same whole number (one small all-reduce)."""
+def same_everywhere(peers: Peers, value: int, device: torch.device) -> bool:
+    """Whether every rank of `peers` passed the same whole number (one small all-reduce)."""
     both = torch.tensor([value, -value], dtype=torch.int64, device=device)
-    ring.all_reduce(comm, both, Reduction(dist.ReduceOp.MAX, torch.int64))
+    ring.all_reduce(peers, both, Reduction(dist.ReduceOp.MAX, torch.int64))
     high, low = both.tolist()
     return bool(high == -low)
 
 
-def cost_model(runner: GroupRunner, comm: Peers, device: torch.device) -> CostModel:
+def cost_model(runner: GroupRunner, peers: Peers, device: torch.device) -> CostModel:
     """The group's cached cost model for `device`'s type, measured on first use (collectively:
     every rank gets here at the same call)."""
     key = f"cost_model:{device.type}"
     cached = runner.cache.get(key)
     if isinstance(cached, CostModel):
         return cached
-    model = measure(comm, device)
+    model = measure(peers, device)
     runner.cache[key] = model
     return model

@@ -28,13 +28,13 @@ from dtjob.trainer.collectives.peers import Peers, balanced_bounds, wait_all
 from dtjob.trainer.collectives.reduce_ops import Reduction
 
 
-def _peers(comm: Peers) -> list[int]:
+def _others(peers: Peers) -> list[int]:
     """Other ranks, nearest predecessor first: r-1, r-2, ..., r+1 (also the reduction order)."""
-    return [(comm.rank - i) % comm.size for i in range(1, comm.size)]
+    return [(peers.rank - i) % peers.size for i in range(1, peers.size)]
 
 
 def _exchange_reduce(
-    comm: Peers,
+    peers: Peers,
     buf: torch.Tensor,
     bounds: list[int],
     reduction: Reduction,
@@ -43,23 +43,23 @@ def _exchange_reduce(
 ) -> list[torch.distributed.Work]:
     """The reduce-scatter, in place in buf or, with `out`, into `out` leaving buf as it is; also
     posts `gather_recvs` before any send. Returns their receive works."""
-    n, r = comm.size, comm.rank
+    n, r = peers.size, peers.rank
     mine = buf[bounds[r] : bounds[r + 1]]
     total = mine if out is None else out  # where our chunk's sum goes
     width = mine.numel()
-    peers = _peers(comm)
-    incoming = comm.scratch(0, (n - 1) * width, buf)
+    others = _others(peers)
+    incoming = peers.scratch(0, (n - 1) * width, buf)
     areas = [incoming[i * width : (i + 1) * width] for i in range(n - 1)]
     # Sends go out nearest successor first (r+1, r+2, ...), the order in which each receiver
     # reduces what it gets (from its r-1 first).
-    sends = [(buf[bounds[p] : bounds[p + 1]], p) for p in reversed(peers)]
-    recvs = list(zip(areas, peers, strict=True))
-    if comm.can_prepost(buf.device):
-        _, reduce_works = comm.post(recvs=recvs)
-        _, gather_works = comm.post(recvs=gather_recvs)
-        send_works, _ = comm.post(sends=sends)
+    sends = [(buf[bounds[p] : bounds[p + 1]], p) for p in reversed(others)]
+    recvs = list(zip(areas, others, strict=True))
+    if peers.can_prepost(buf.device):
+        _, reduce_works = peers.post(recvs=recvs)
+        _, gather_works = peers.post(recvs=gather_recvs)
+        send_works, _ = peers.post(sends=sends)
     else:  # NCCL: a phase's sends and receives go in one group; the gather's come later
-        send_works, reduce_works = comm.post(sends=sends, recvs=recvs)
+        send_works, reduce_works = peers.post(sends=sends, recvs=recvs)
         gather_works = []
     one_each = len(reduce_works) == len(recvs)  # else a coalescing backend returned one for all
     if not one_each:
@@ -74,47 +74,49 @@ def _exchange_reduce(
 
 
 def reduce_scatter(
-    comm: Peers, src: torch.Tensor, out: torch.Tensor, bounds: list[int], reduction: Reduction
+    peers: Peers, src: torch.Tensor, out: torch.Tensor, bounds: list[int], reduction: Reduction
 ) -> None:
-    """Reduce the flat `src`, left as it is, into `out`: chunk `comm.rank` of the result."""
-    if comm.size == 1:
+    """Reduce the flat `src`, left as it is, into `out`: chunk `peers.rank` of the result."""
+    if peers.size == 1:
         out.copy_(src[bounds[0] : bounds[1]])
         reduction.finish(out, 1)
         return
-    _exchange_reduce(comm, src, bounds, reduction, gather_recvs=[], out=out)
+    _exchange_reduce(peers, src, bounds, reduction, gather_recvs=[], out=out)
 
 
-def _gather_recvs(comm: Peers, buf: torch.Tensor, bounds: list[int]) -> list[tuple[torch.Tensor, int]]:
-    return [(buf[bounds[p] : bounds[p + 1]], p) for p in _peers(comm)]
+def _gather_recvs(peers: Peers, buf: torch.Tensor, bounds: list[int]) -> list[tuple[torch.Tensor, int]]:
+    return [(buf[bounds[p] : bounds[p + 1]], p) for p in _others(peers)]
 
 
-def _gather_sends(comm: Peers, buf: torch.Tensor, bounds: list[int]) -> list[tuple[torch.Tensor, int]]:
-    r = comm.rank
+def _gather_sends(peers: Peers, buf: torch.Tensor, bounds: list[int]) -> list[tuple[torch.Tensor, int]]:
+    r = peers.rank
     mine = buf[bounds[r] : bounds[r + 1]]
-    return [(mine, p) for p in reversed(_peers(comm))]
+    return [(mine, p) for p in reversed(_others(peers))]
 
 
-def all_gather(comm: Peers, buf: torch.Tensor, bounds: list[int]) -> None:
-    """In place on the flat `buf`: chunk `comm.rank` is valid before, every chunk after."""
-    if comm.size == 1:
+def all_gather(peers: Peers, buf: torch.Tensor, bounds: list[int]) -> None:
+    """In place on the flat `buf`: chunk `peers.rank` is valid before, every chunk after."""
+    if peers.size == 1:
         return
-    sends, recvs = comm.post(sends=_gather_sends(comm, buf, bounds), recvs=_gather_recvs(comm, buf, bounds))
+    sends, recvs = peers.post(
+        sends=_gather_sends(peers, buf, bounds), recvs=_gather_recvs(peers, buf, bounds)
+    )
     wait_all(recvs)
     wait_all(sends)
 
 
-def all_reduce(comm: Peers, buf: torch.Tensor, reduction: Reduction) -> None:
+def all_reduce(peers: Peers, buf: torch.Tensor, reduction: Reduction) -> None:
     """Direct all-reduce of the flat `buf` in place: reduce-scatter, then all-gather."""
-    bounds = balanced_bounds(buf.numel(), comm.size)
+    bounds = balanced_bounds(buf.numel(), peers.size)
     # A peer's gather message can only arrive after it has reduced our contribution, i.e. after
     # our reduce-scatter send into that very chunk has left: posting its receive early is safe.
-    early = comm.can_prepost(buf.device)
+    early = peers.can_prepost(buf.device)
     gather_works = _exchange_reduce(
-        comm, buf, bounds, reduction, gather_recvs=_gather_recvs(comm, buf, bounds) if early else []
+        peers, buf, bounds, reduction, gather_recvs=_gather_recvs(peers, buf, bounds) if early else []
     )
     if early:
-        sends, _ = comm.post(sends=_gather_sends(comm, buf, bounds))
+        sends, _ = peers.post(sends=_gather_sends(peers, buf, bounds))
         wait_all(gather_works)
         wait_all(sends)
     else:
-        all_gather(comm, buf, bounds)
+        all_gather(peers, buf, bounds)

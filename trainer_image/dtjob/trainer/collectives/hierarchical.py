@@ -89,18 +89,18 @@ def pod_layout(global_ranks: Sequence[int], local_size: int) -> PodLayout | str:
     return PodLayout(tuple(tuple(pods[p]) for p in sorted(pods)))
 
 
-def all_reduce(comm: Peers, buf: torch.Tensor, reduction: Reduction, layout: PodLayout) -> None:
-    """Hierarchical all-reduce of the flat `buf` in place on `comm` (the whole group)."""
-    p, j = layout.position(comm.group_rank(comm.rank))
+def all_reduce(peers: Peers, buf: torch.Tensor, reduction: Reduction, layout: PodLayout) -> None:
+    """Hierarchical all-reduce of the flat `buf` in place on `peers` (the whole group)."""
+    p, j = layout.position(peers.group_rank(peers.rank))
     k = layout.shape[1]
-    inside = comm.subset(layout.pods[p], phase=1)
-    across = comm.subset([members[j] for members in layout.pods], phase=2)
-    gather = comm.subset(layout.pods[p], phase=3)
+    inside = peers.subset(layout.pods[p], phase=1)
+    across = peers.subset([members[j] for members in layout.pods], phase=2)
+    gather = peers.subset(layout.pods[p], phase=3)
     phase = reduction.without_finish()
     bounds = balanced_bounds(buf.numel(), k)
     mine = buf[bounds[j] : bounds[j + 1]]
     ring.reduce_scatter_in_place(inside, buf, bounds, phase)
     if mine.numel():  # the same on every member with index j: their vectors have one length
         ring.all_reduce(across, mine, phase)
-    reduction.finish(mine, comm.size)
+    reduction.finish(mine, peers.size)
     ring.all_gather(gather, buf, bounds)

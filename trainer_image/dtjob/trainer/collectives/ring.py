@@ -82,8 +82,8 @@ def _layout(bounds: tuple[int, ...], rank: int, element_size: int, segment_bytes
     )
 
 
-def _layout_of(comm: Peers, buf: torch.Tensor, bounds: list[int]) -> _Layout:
-    return _layout(tuple(bounds), comm.rank, buf.element_size(), comm.segment_bytes)
+def _layout_of(peers: Peers, buf: torch.Tensor, bounds: list[int]) -> _Layout:
+    return _layout(tuple(bounds), peers.rank, buf.element_size(), peers.segment_bytes)
 
 
 # Every receive of one phase: [step][segment] -> its work; None where the segment is empty (then
@@ -91,16 +91,16 @@ def _layout_of(comm: Peers, buf: torch.Tensor, bounds: list[int]) -> _Layout:
 Receives = list[list[dist.Work | None]]
 
 
-def _receives(comm: Peers, targets: Sequence[Sequence[torch.Tensor]], prepost: bool) -> Receives:
+def _receives(peers: Peers, targets: Sequence[Sequence[torch.Tensor]], prepost: bool) -> Receives:
     """Post every receive of a phase now (prepost), or make room to post them step by step."""
     if not prepost:
         return [[None] * len(step) for step in targets]
-    prv = (comm.rank - 1) % comm.size
-    return [comm.recv_each(step, prv) for step in targets]
+    prv = (peers.rank - 1) % peers.size
+    return [peers.recv_each(step, prv) for step in targets]
 
 
 def _forward_in_stream(
-    comm: Peers,
+    peers: Peers,
     segment: torch.Tensor,
     into: torch.Tensor,
     sends: Works,
@@ -108,8 +108,8 @@ def _forward_in_stream(
     j: int,
 ) -> None:
     """NCCL's order: send `segment` on together with the receive of the next step's segment j."""
-    sw, rw = comm.post(
-        sends=[(segment, (comm.rank + 1) % comm.size)], recvs=[(into, (comm.rank - 1) % comm.size)]
+    sw, rw = peers.post(
+        sends=[(segment, (peers.rank + 1) % peers.size)], recvs=[(into, (peers.rank - 1) % peers.size)]
     )
     sends.extend(sw)
     receives[j] = rw[-1] if rw else None
@@ -122,7 +122,7 @@ def _forward_in_stream(
 
 
 def _reduce(
-    comm: Peers,
+    peers: Peers,
     buf: torch.Tensor,
     segs: tuple[torch.Tensor, ...],
     lay: _Layout,
@@ -136,21 +136,21 @@ def _reduce(
     goes on from there, and the last one lands in `out`. Returns the sends, which may still be in
     flight, and, with `post_gather` (preposting only), the all-gather's receives, posted before
     our first send."""
-    n, r = comm.size, comm.rank
+    n, r = peers.size, peers.rank
     steps = n - 1
     # Receive areas: one per step when all receives are posted up front or partial sums are sent
     # on from them, else two alternating.
     areas = steps if prepost or out is not None else min(steps, 2)
-    scratch = comm.scratch(0, areas * lay.largest, buf)
+    scratch = peers.scratch(0, areas * lay.largest, buf)
     area = [scratch[a * lay.largest : (a + 1) * lay.largest] for a in range(areas)]
     incoming = [area[s % areas].split_with_sizes(lay.area_sizes[s]) for s in range(steps)]
-    received = _receives(comm, [inc[: lay.k] for inc in incoming], prepost)  # not the padding
-    gather = _receives(comm, _gather_targets(segs, lay), True) if post_gather and prepost else None
-    send, nxt, tag, sizes = comm.group.send, comm.group_rank((r + 1) % n), comm.tag, lay.sizes
+    received = _receives(peers, [inc[: lay.k] for inc in incoming], prepost)  # not the padding
+    gather = _receives(peers, _gather_targets(segs, lay), True) if post_gather and prepost else None
+    send, nxt, tag, sizes = peers.group.send, peers.group_rank((r + 1) % n), peers.tag, lay.sizes
     sends: Works = []
     for j, i in enumerate(lay.reduce_first):
         if not prepost:
-            _forward_in_stream(comm, segs[i], incoming[0][j], sends, received[0], j)
+            _forward_in_stream(peers, segs[i], incoming[0][j], sends, received[0], j)
         elif sizes[i]:
             sends.append(send([segs[i]], nxt, tag))
     combine = reduction.combine_out
@@ -166,47 +166,47 @@ def _reduce(
             if s == last:
                 continue
             if not prepost:  # forward the freshly reduced segment
-                _forward_in_stream(comm, total, incoming[s + 1][j], sends, received[s + 1], j)
+                _forward_in_stream(peers, total, incoming[s + 1][j], sends, received[s + 1], j)
             elif sizes[i]:
                 sends.append(send([total], nxt, tag))
     return sends, gather
 
 
 def reduce_scatter(
-    comm: Peers, src: torch.Tensor, out: torch.Tensor, bounds: list[int], reduction: Reduction
+    peers: Peers, src: torch.Tensor, out: torch.Tensor, bounds: list[int], reduction: Reduction
 ) -> None:
-    """Reduce the flat `src`, left as it is, into `out`: chunk `comm.rank` of the result.
+    """Reduce the flat `src`, left as it is, into `out`: chunk `peers.rank` of the result.
 
     Out of place: no copy of src to work in (0.7-0.75x the time of reducing a copy in place).
     """
-    if comm.size == 1:
+    if peers.size == 1:
         out.copy_(src[bounds[0] : bounds[1]])
     else:
-        lay = _layout_of(comm, src, bounds)
+        lay = _layout_of(peers, src, bounds)
         mine = [lay.sizes[i] for i in lay.reduce_steps[-1]]  # the last step sums our own chunk
         sends, _ = _reduce(
-            comm,
+            peers,
             src,
             src.split_with_sizes(lay.sizes),
             lay,
             reduction,
-            comm.can_prepost(src.device),
+            peers.can_prepost(src.device),
             out=out.split_with_sizes(mine),
         )
         wait_all(sends)
-    reduction.finish(out, comm.size)
+    reduction.finish(out, peers.size)
 
 
-def reduce_scatter_in_place(comm: Peers, buf: torch.Tensor, bounds: list[int], reduction: Reduction) -> None:
-    """In place on the flat `buf`: afterwards chunk `comm.rank` holds the finished reduction and
+def reduce_scatter_in_place(peers: Peers, buf: torch.Tensor, bounds: list[int], reduction: Reduction) -> None:
+    """In place on the flat `buf`: afterwards chunk `peers.rank` holds the finished reduction and
     the other chunks hold partial sums (the hierarchical all-reduce gathers over them)."""
-    if comm.size > 1:
-        lay = _layout_of(comm, buf, bounds)
+    if peers.size > 1:
+        lay = _layout_of(peers, buf, bounds)
         sends, _ = _reduce(
-            comm, buf, buf.split_with_sizes(lay.sizes), lay, reduction, comm.can_prepost(buf.device)
+            peers, buf, buf.split_with_sizes(lay.sizes), lay, reduction, peers.can_prepost(buf.device)
         )
         wait_all(sends)
-    reduction.finish(buf[bounds[comm.rank] : bounds[comm.rank + 1]], comm.size)
+    reduction.finish(buf[bounds[peers.rank] : bounds[peers.rank + 1]], peers.size)
 
 
 def _gather_targets(segs: tuple[torch.Tensor, ...], lay: _Layout) -> list[list[torch.Tensor]]:
@@ -215,19 +215,24 @@ def _gather_targets(segs: tuple[torch.Tensor, ...], lay: _Layout) -> list[list[t
 
 
 def _gather(
-    comm: Peers, segs: tuple[torch.Tensor, ...], lay: _Layout, posted: Receives | None, sends: Works
+    peers: Peers, segs: tuple[torch.Tensor, ...], lay: _Layout, posted: Receives | None, sends: Works
 ) -> None:
     """The all-gather's steps; `posted`: its receives if already up, `sends`: earlier sends to await."""
-    prepost = posted is not None or comm.can_prepost(segs[0].device)
+    prepost = posted is not None or peers.can_prepost(segs[0].device)
     targets = [] if posted is not None else _gather_targets(segs, lay)  # used when not preposted
-    received = posted if posted is not None else _receives(comm, targets, prepost)
-    send, nxt, tag, sizes = comm.group.send, comm.group_rank((comm.rank + 1) % comm.size), comm.tag, lay.sizes
+    received = posted if posted is not None else _receives(peers, targets, prepost)
+    send, nxt, tag, sizes = (
+        peers.group.send,
+        peers.group_rank((peers.rank + 1) % peers.size),
+        peers.tag,
+        lay.sizes,
+    )
     for j, i in enumerate(lay.gather_first):
         if not prepost:
-            _forward_in_stream(comm, segs[i], targets[0][j], sends, received[0], j)
+            _forward_in_stream(peers, segs[i], targets[0][j], sends, received[0], j)
         elif sizes[i]:
             sends.append(send([segs[i]], nxt, tag))
-    last = comm.size - 2
+    last = peers.size - 2
     for s, chunk in enumerate(lay.gather_steps):
         for j, i in enumerate(chunk):
             work = received[s][j]
@@ -236,27 +241,27 @@ def _gather(
             if s == last:
                 continue
             if not prepost:
-                _forward_in_stream(comm, segs[i], targets[s + 1][j], sends, received[s + 1], j)
+                _forward_in_stream(peers, segs[i], targets[s + 1][j], sends, received[s + 1], j)
             elif sizes[i]:
                 sends.append(send([segs[i]], nxt, tag))
     wait_all(sends)
 
 
-def all_gather(comm: Peers, buf: torch.Tensor, bounds: list[int]) -> None:
-    """In place on the flat `buf`: chunk `comm.rank` is valid before, every chunk after."""
-    if comm.size > 1:
-        lay = _layout_of(comm, buf, bounds)
-        _gather(comm, buf.split_with_sizes(lay.sizes), lay, None, [])
+def all_gather(peers: Peers, buf: torch.Tensor, bounds: list[int]) -> None:
+    """In place on the flat `buf`: chunk `peers.rank` is valid before, every chunk after."""
+    if peers.size > 1:
+        lay = _layout_of(peers, buf, bounds)
+        _gather(peers, buf.split_with_sizes(lay.sizes), lay, None, [])
 
 
-def all_reduce(comm: Peers, buf: torch.Tensor, reduction: Reduction) -> None:
+def all_reduce(peers: Peers, buf: torch.Tensor, reduction: Reduction) -> None:
     """Ring all-reduce of the flat `buf` in place: reduce-scatter, then all-gather."""
-    n, r = comm.size, comm.rank
+    n, r = peers.size, peers.rank
     bounds = balanced_bounds(buf.numel(), n)
     if n == 1:
         reduction.finish(buf, 1)
         return
-    lay = _layout_of(comm, buf, bounds)
+    lay = _layout_of(peers, buf, bounds)
     segs = buf.split_with_sizes(lay.sizes)
     # On gloo the all-gather's receives go up before the first send, so a neighbour that finishes
     # its reduce-scatter first finds them posted: a send that beats its receive waits a round trip
@@ -265,6 +270,6 @@ def all_reduce(comm: Peers, buf: torch.Tensor, reduction: Reduction) -> None:
     # needs our reduce-scatter send of c to have arrived; we never touch c in the reduce-scatter
     # after that send. For the same reason the all-gather need not wait for the reduce-scatter's
     # sends to complete: gloo has read a message out of buf once its receiver has it all.
-    sends, gather = _reduce(comm, buf, segs, lay, reduction, comm.can_prepost(buf.device), post_gather=True)
+    sends, gather = _reduce(peers, buf, segs, lay, reduction, peers.can_prepost(buf.device), post_gather=True)
     reduction.finish(buf[bounds[r] : bounds[r + 1]], n)
-    _gather(comm, segs, lay, gather, sends)
+    _gather(peers, segs, lay, gather, sends)

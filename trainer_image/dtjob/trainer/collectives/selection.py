@@ -13,7 +13,7 @@ and Gropp, "Optimization of collective communication operations in MPICH", 2005)
     overhead  seconds each further message pair costs when a step posts several at once (LogP's o):
               what the direct algorithm pays instead of the ring's extra alphas
 
-The pipelined algorithms cut each region into segments (comm.segments_for); each costs one alpha.
+The pipelined algorithms cut each region into segments (peers.segments_for); each costs one alpha.
 "native" is priced as what torch's gloo runs (a ring all-reduce; reduce-scatter = that all-reduce,
 then a copy; a ring all-gather; a tree broadcast); on NCCL the model is not asked about it (api.py).
 "hier" is priced with the same alpha and beta inside and across pods: the model cannot see the

@@ -8,7 +8,7 @@ synchronous call while async ones are still queued, goes to the group's single w
 which runs them one at a time in submission order. So two async operations in flight never
 interleave their messages, and no cross-rank deadlock can come from reordering.
 
-CUDA tensors (NCCL): nothing in a call blocks the host (comm.py), so every call runs inline, in
+CUDA tensors (NCCL): nothing in a call blocks the host (peers.py), so every call runs inline, in
 call order, and only queues work on the device. A synchronous call queues it on the caller's
 current stream. An async call queues it on the group's side stream for that device, after what
 the caller's stream has queued so far, so the caller's stream runs on while it communicates

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NoReturn
 
 import torch
@@ -63,6 +63,33 @@ class Wrapper(nn.Module):
 
     def extra_repr(self) -> str:
         return f"world={self.comm.size}, collective={self.comm.algorithm!r}"
+
+
+class GradientSync:
+    """torch's `no_sync()` and FSDP2's `set_requires_gradient_sync()` for a wrapper whose backward
+    reduces gradients across the group only while `self._sync` is True (data_parallel and
+    fully_shard: one implementation for both). `_accumulates_locally()`: whether it can keep full
+    gradients locally at all; ZeRO-2/3 hold only gradient shards, so they reduce-scatter every
+    backward (the shards accumulate) and both calls change nothing there."""
+
+    _sync: bool
+
+    def _accumulates_locally(self) -> bool:
+        return True
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients locally, without communicating."""
+        previous, self._sync = self._sync, not self._accumulates_locally()
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        """The persistent form of no_sync(): False, backward passes accumulate locally until it is
+        set True again; the next backward then reduces the sum."""
+        self._sync = bool(requires_gradient_sync) or not self._accumulates_locally()
 
 
 def _same_device(have: torch.device, want: torch.device) -> bool:

@@ -26,7 +26,6 @@ and it is read on the host (a device sync) only where this rank lacked a gradien
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -49,7 +48,7 @@ _INSTEAD_SHARDING = (
 )
 
 
-class DataParallel(common.Wrapper):
+class DataParallel(common.GradientSync, common.Wrapper):
     """The module `data_parallel` returns; see the module docstring."""
 
     def __init__(
@@ -118,15 +117,6 @@ class DataParallel(common.Wrapper):
     def broadcast_buffers(self, value: bool) -> None:
         self._buffer_broadcast.enabled = bool(value)
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Forward and backward passes inside accumulate gradients locally, without communicating."""
-        previous, self._sync = self._sync, False
-        try:
-            yield
-        finally:
-            self._sync = previous
-
     def named_parameters(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
     ) -> Iterator[tuple[str, nn.Parameter]]:
@@ -150,11 +140,6 @@ class DataParallel(common.Wrapper):
         return torch.nn.utils.clip_grad_norm_(list(self._named.values()), max_norm, norm_type)
 
     # -- the rest of torch's DDP / FSDP2 surface (issue #40, README "The torch surface") --------
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
-        """The persistent form of no_sync() (FSDP2's name): False, backward passes accumulate
-        locally until it is set True again; the next backward then reduces the sum."""
-        self._sync = bool(requires_gradient_sync)
-
     def register_comm_hook(self, state: object, hook: Any) -> None:
         common.not_supported("data_parallel", "register_comm_hook", common.INSTEAD_COMM_HOOK)
 

@@ -80,7 +80,7 @@ from dtjob.trainer.parallel.tp.module import check_wrappable, checkpoint_shards
 log = logging.getLogger("dtjob.trainer.parallel")
 
 
-class FullyShardedModule(Unsharding, common.Wrapper):
+class FullyShardedModule(Unsharding, common.GradientSync, common.Wrapper):
     """The module `fully_shard` returns; see the module docstring."""
 
     def __init__(
@@ -230,16 +230,9 @@ class FullyShardedModule(Unsharding, common.Wrapper):
             self._close_step()
         return out
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Stage 1: backward passes inside accumulate full gradients locally. Stages 2/3
-        reduce-scatter every backward (there are no full gradients to accumulate into), so
-        gradients accumulate in the shards and this changes nothing."""
-        previous, self._sync = self._sync, self.stage != 1
-        try:
-            yield
-        finally:
-            self._sync = previous
+    def _accumulates_locally(self) -> bool:
+        """Stage 1 only: stages 2/3 hold no full gradients to accumulate into (common.GradientSync)."""
+        return self.stage == 1
 
     def named_parameters(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
@@ -288,11 +281,6 @@ class FullyShardedModule(Unsharding, common.Wrapper):
         return clip.clip_grad_norm_(list(self.parameters()), max_norm, norm_type)
 
     # -- the rest of torch's DDP / FSDP2 surface (issue #40, README "The torch surface") --------
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
-        """The persistent form of no_sync(): False, stage 1 accumulates full gradients locally
-        until it is set True again (stages 2/3 reduce-scatter every backward, as in no_sync)."""
-        self._sync = bool(requires_gradient_sync) or self.stage != 1
-
     def register_comm_hook(self, state: object, hook: Any) -> None:
         common.not_supported("fully_shard", "register_comm_hook", common.INSTEAD_COLLECTIVE)
 
