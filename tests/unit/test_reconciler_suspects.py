@@ -134,3 +134,14 @@ def test_the_observer_reads_the_leases_of_the_live_workers_nodes_once_a_peer_exi
     many = [make_pod(0, node="n0", phase="Failed", exit_code=76)]
     many += [make_pod(r, node=f"n{r}") for r in range(1, 40)]
     assert len(Kube._nodes_of_lost_ranks(observer, job, many)) == LEASE_READS
+
+
+def test_with_two_processes_per_pod_the_named_trainer_rank_picks_its_pod() -> None:
+    """Trainer rank 5 of 8 runs in pod 2 (ranks 4 and 5), on n2: that pod is forced and n2
+    avoided, not pod 5 or its node."""
+    job = make_job(status=running_status(), nprocPerWorker=2)
+    line = f"ERROR {contract.peer_lost_line(5, 4.0)}\n"
+    actions = run(job, rank_2_lost(), three_nodes(), worker_logs={f"gpt-worker-{r}": line for r in (0, 1, 3)})
+    assert "rank 5 (gpt-worker-2) lost" in (status_patch(actions)["conditions"][-1]["message"])
+    assert "node n2 suspected" in next(d for d in deletes(actions) if d.name == "gpt-worker-2").reason
+    assert [e["name"] for e in status_patch(actions)["silentNodes"]] == ["n2"]

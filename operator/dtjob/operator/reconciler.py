@@ -273,8 +273,7 @@ def _decide(p: ReconcilePass, current: Sequence[Worker], workers: Sequence[Worke
         preempted = next((f.reason for f in found if f.reason == "Preempted"), causes[0].reason)
         reason = next((f.reason for f in causes if f.counted), preempted)
         cause = next(f for f in found if f.reason == reason)
-        lost_ranks = {f.lost_rank for f in found if f.reason == "PeerLost" and f.lost_rank is not None}
-        lost = [w for w in current if w.rank in lost_ranks]
+        lost = failures.lost_pods(p, found, current)
         # Before the new generation is sized: it avoids the suspects (and fits beside them).
         suspected = suspects.suspect_nodes(p, lost)
         restarts.new_generation(
