@@ -135,9 +135,17 @@ def detectors() -> list[Detector]:
             ("OperatorSettings.trigger_delay_seconds", "OperatorSettings.resync_seconds"),
         ),
         Detector(
+            "operator (suspects.py)",
+            "a rank its peers named lost (exit 76)",
+            "the restart's pass",
+            "force-deletes its pod; new pods avoid its node until its Lease renews "
+            f"(at most {nodes.SILENT_NODE_AVOID_SECONDS} s), where the others have room",
+            "no: it acts on the trainers' verdict (T-derived, above) at once",
+        ),
+        Detector(
             "operator",
             "a deleted pod its node does not confirm (a silent node)",
-            f"grace + {nodes.SILENT_KUBELET_SECONDS} s (a rank declared lost: "
+            f"grace + {nodes.SILENT_KUBELET_SECONDS} s (a rank declared lost, where no room: "
             f"{nodes.LOST_RANK_GRACE_SECONDS} s + {nodes.SILENT_LOST_RANK_SECONDS} s)",
             f"force-deletes it; new pods avoid the node {nodes.SILENT_NODE_AVOID_SECONDS} s",
             "no: they time the kubelet (a deletion confirmed in 1-2 s) and the node controller (NotReady "

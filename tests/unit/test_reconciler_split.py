@@ -32,6 +32,7 @@ PURE = frozenset(
         "rescale",
         "lifecycle",
         "trainer_reports",
+        "suspects",
     }
 )
 # The rules and plan() read in one file (424 lines at the split, room for a rule or two); each

@@ -308,10 +308,10 @@ class CheckpointStatus(ApiModel):
 
 
 class SilentNode(ApiModel):
-    """A node whose kubelet did not finish a worker's deletion in time."""
+    """A node whose kubelet did not finish a worker's deletion in time, or that ran a lost rank."""
 
     name: str = Field(description="The node's name.")
-    since: datetime = Field(description="When the operator found it silent.")
+    since: datetime = Field(description="When the operator found it silent or suspected it.")
     lease_renew_time: str | None = Field(
         default=None,
         description=(
@@ -456,7 +456,8 @@ class DistributedTrainingJobStatus(ApiModel):
         default=None,
         description=(
             "Nodes still Ready whose kubelet left a worker's deletion unfinished past its grace "
-            "period (a node gone silent before it turns NotReady): the worker was force-deleted, "
+            "period (a node gone silent before it turns NotReady), or that ran a rank its peers "
+            "declared lost (no heartbeat): the worker was force-deleted, "
             "and new workers avoid these nodes for 120 s, or until the node turns NotReady, is Ready "
             "again after a transition, or renews its Lease."
         ),

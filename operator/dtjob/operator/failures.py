@@ -37,7 +37,7 @@ class WorkerFailure:
     reason: str
     message: str
     counted: bool  # counts towards maxRestarts
-    lost_rank: int | None = None  # PeerLost: the rank its log names
+    lost_rank: int | None = None  # PeerLost: the trainer rank its log names (see lost_pod_rank)
 
 
 def detect(p: ReconcilePass, current: Sequence[Worker]) -> list[WorkerFailure]:
@@ -132,9 +132,23 @@ def describe(p: ReconcilePass, failures: Sequence[WorkerFailure]) -> str:
         if rank is None:
             parts.append(f"{who}: a peer stopped answering (no rank named in the log)")
         else:
-            name = manifests.worker_name(p.job.name, rank)
+            name = manifests.worker_name(p.job.name, lost_pod_rank(p, rank))
             parts.append(f"rank {rank} ({name}) lost: no heartbeat for {timeout}s ({who})")
     return "; ".join(parts)
+
+
+def lost_pod_rank(p: ReconcilePass, trainer_rank: int) -> int:
+    """The pod of a trainer rank a survivor named: a pod of rank r runs the trainer ranks
+    r * nprocPerWorker to r * nprocPerWorker + nprocPerWorker - 1 (manifests, dtjob.launcher)."""
+    return trainer_rank // p.job.nproc_per_worker
+
+
+def lost_pods(p: ReconcilePass, failures: Sequence[WorkerFailure], current: Sequence[Worker]) -> list[Worker]:
+    """The workers whose trainer ranks the survivors among `failures` named as lost."""
+    ranks = {
+        lost_pod_rank(p, f.lost_rank) for f in failures if f.reason == "PeerLost" and f.lost_rank is not None
+    }
+    return [w for w in current if w.rank in ranks]
 
 
 def _some(items: Sequence[str], joiner: str = ", ") -> str:

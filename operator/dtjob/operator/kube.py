@@ -215,11 +215,24 @@ class Kube:
         for w in (self.workers.of(pod) for pod in deleting):  # a pass of 1,024 pods parses none of them
             if w.node_name and silent_deletion(w, now):
                 nodes.add(w.node_name)
+        nodes |= self._nodes_of_lost_ranks(job, pods)
         # At once, not one after the other: when KWOK (which plays every simulated kubelet) fell
         # behind deleting a 1,024-worker gang, one pass read the Leases of 128 nodes in 2.5 s.
         names = sorted(nodes)
         read = list(self._reads.map(functools.partial(self._lease, job), names)) if names else []
         return {node: renewed for node, renewed in zip(names, read, strict=True) if renewed}
+
+    def _nodes_of_lost_ranks(self, job: JobView, pods: list[dict[str, Any]]) -> set[str]:
+        """The nodes of the current generation's live workers while a peer of theirs exited
+        EXIT_PEER_LOST: the pass may suspect one (dtjob.operator.suspects), and its Lease then
+        tells a live kubelet from a stopped one. At most LEASE_READS of them (a gang whose
+        survivors are still leaving); beyond, a suspected node is avoided for the full time."""
+        generation = job.status.get("generation")
+        current = [w for w in (self.workers.of(pod) for pod in pods) if w.generation == generation]
+        if not any(w.exit_code == contract.EXIT_PEER_LOST for w in current):
+            return set()
+        live = sorted({w.node_name for w in current if w.node_name and not w.terminal})
+        return set(live[:LEASE_READS])
 
     def _lease(self, job: JobView, node: str) -> str | None:
         """spec.renewTime of one node's Lease (None: none, or not readable)."""

@@ -1,6 +1,7 @@
 """Workers and their nodes: a node lost (gone, or NotReady), a kubelet gone silent (a Ready node
-that leaves a pod's deletion unfinished), the nodes new workers avoid for it (status.silentNodes),
-and deleting workers so that neither keeps a pod's name taken (rule 5 of the reconciler)."""
+that leaves a pod's deletion unfinished), the nodes new workers avoid for it (status.silentNodes,
+which also holds the nodes suspected at once, dtjob.operator.suspects), and deleting workers so
+that neither keeps a pod's name taken (rule 5 of the reconciler)."""
 
 from __future__ import annotations
 
@@ -29,12 +30,13 @@ SILENT_KUBELET_SECONDS = 5
 SILENT_LOST_RANK_SECONDS = 2
 SILENT_NODE_AVOID_SECONDS = 120
 
-# The grace of a rank its peers declared lost (no heartbeat): hung, cut off, or on a silent
-# node, it cannot act on SIGTERM. 1 s: a live kubelet kills it and confirms within about a second,
-# so the next generation, whose pod takes its name, starts 4 s sooner than after the 5 s unplanned
-# grace. Not 0 (a force deletion): a silent node never confirms, so the pod stays until the node's
-# NotReady, and the scheduler cannot place the next gang on the silent node while it still looks
-# Ready (which costs a second restart at its NotReady).
+# The grace of a rank its peers declared lost (no heartbeat: hung, cut off, or on a silent node, it
+# cannot act on SIGTERM) where its node cannot be avoided (dtjob.operator.suspects: the nodes beside
+# it have no room for the next gang; elsewhere it is forced at once and its node avoided). 1 s: a
+# live kubelet kills it and confirms within about a second, so the next generation, whose pod takes
+# its name, starts 4 s sooner than after the 5 s unplanned grace. Not 0 there: a force deletion
+# frees the name at once, and the scheduler could place the next gang on a silent node that still
+# looks Ready (a second restart at its NotReady, 20-50 s later).
 LOST_RANK_GRACE_SECONDS = 1
 
 
@@ -77,7 +79,8 @@ def delete(p: ReconcilePass, w: Worker, reason: str, grace_seconds: int | None =
             "NodeSilent",
             f"node {w.node_name} left the deletion of {w.name} unfinished {_silent_after(w):g}s "
             f"past its grace period: deleted without it, and new workers avoid the node for "
-            f"{SILENT_NODE_AVOID_SECONDS}s or until it turns NotReady or renews its Lease",
+            f"{SILENT_NODE_AVOID_SECONDS}s or until it turns NotReady or renews its Lease"
+            + _why_not_sooner(w),
             warning=True,
         )
         entry = {"name": str(w.node_name), "since": to_rfc3339(p.now)}
@@ -90,14 +93,34 @@ def delete(p: ReconcilePass, w: Worker, reason: str, grace_seconds: int | None =
 
 
 def delete_all(
-    p: ReconcilePass, workers: Sequence[Worker], grace_seconds: int | None = None, lost: Collection[str] = ()
+    p: ReconcilePass,
+    workers: Sequence[Worker],
+    grace_seconds: int | None = None,
+    lost: Collection[str] = (),
+    suspects: Collection[str] = (),
 ) -> None:
-    """Delete every worker; those named in `lost` with LOST_RANK_GRACE_SECONDS."""
+    """Delete every worker; those named in `lost` with LOST_RANK_GRACE_SECONDS, or forced where
+    their node is among `suspects` (dtjob.operator.suspects: the next gang avoids it), as is every
+    other live worker there (a stopped node stops them all)."""
     for w in workers:
         reason = f"stopping generation {w.generation} for generation {p.status.get('generation')}"
         if w.name in lost:
             reason = f"rank {w.rank} lost by its peers (no heartbeat), {reason}"
-        delete(p, w, reason, LOST_RANK_GRACE_SECONDS if w.name in lost else grace_seconds)
+        if w.node_name in suspects and not w.terminal:
+            p.actions.append(DeletePod(w.name, f"{reason}; node {w.node_name} suspected", grace_seconds=0))
+        else:
+            delete(p, w, reason, LOST_RANK_GRACE_SECONDS if w.name in lost else grace_seconds)
+
+
+def _why_not_sooner(w: Worker) -> str:
+    """Why a rank its peers declared lost was not force-deleted and its node avoided in the pass
+    that restarted the gang (dtjob.operator.suspects): only then is its deletion graceful."""
+    if w.deletion_grace != LOST_RANK_GRACE_SECONDS:
+        return ""
+    return (
+        " (not avoided when the peers lost the rank: the nodes beside it had no room for the whole "
+        "next gang, so it waited for this)"
+    )
 
 
 def kubelet_silent(p: ReconcilePass, w: Worker) -> bool:

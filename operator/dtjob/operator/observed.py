@@ -123,9 +123,10 @@ class Observed:
     worker_logs: Mapping[str, str] = field(default_factory=dict)
     queue: Mapping[str, Any] | None = None  # the PodGroup's Volcano Queue (None: not readable)
     queue_missing: bool = False
-    # spec.renewTime of the node Leases (kube-node-lease) of the nodes in status.silentNodes and of
-    # the nodes of workers whose deletion may be found silent (`silent_deletion`), by node name
-    # (absent: not read).
+    # spec.renewTime of the node Leases (kube-node-lease) of the nodes in status.silentNodes, of
+    # the nodes of workers whose deletion may be found silent (`silent_deletion`), and of the
+    # current generation's live workers while a peer exited EXIT_PEER_LOST (suspects.py), by
+    # node name (absent: not read).
     leases: Mapping[str, str] = field(default_factory=dict)
     # The job's pod creations and deletions sent by earlier passes and not answered yet (`pods`
     # shows them as done, see dtjob.operator.expectations): they count against this pass's.

@@ -22,7 +22,8 @@ The rules, in the order they are checked, each with the functions that hold its 
 5. Pods of an older generation are deleted; the new generation's pods are created only after the
    old ones are gone (they share names, and the old rank 0 owns MASTER_ADDR until it exits). A
    deletion that a Ready node's kubelet leaves unfinished 5 s past its grace period (2 s for a
-   rank its peers declared lost; a node gone silent, not NotReady yet) is forced, and new
+   rank its peers declared lost that rule 6 could not force; a node gone silent, not NotReady
+   yet) is forced, and new
    workers avoid that node (status.silentNodes) until it turns NotReady or renews its Lease.
    [_converge_pods, nodes.delete, nodes.silent_nodes]
 6. In the current generation: a permanent exit code fails the job; all workers exiting 0 succeeds
@@ -31,9 +32,14 @@ The rules, in the order they are checked, each with the functions that hold its 
    (restarts += 1, the job fails once restarts would exceed maxRestarts) sized to what fits now,
    never below minReplicas; a worker that exited 75 on its own (stopped with a checkpoint) or that
    the scheduler preempted restarts the gang uncounted, and its peers get their full grace period
-   to checkpoint. Restarts the pods' agents made in place (elastic.restartInPlace; rank 0's
-   metrics, or a failed pod's agent's last line) count in restarts as well. [_decide,
-   failures.detect, failures.stalled_gang, restarts.new_generation, restarts.count_in_place]
+   to checkpoint. A rank the survivors name as lost (no heartbeat) is force-deleted in that same
+   pass and its node avoided by new workers (status.silentNodes, trusted again at its next Lease
+   renewal, its NotReady, or after 120 s), so the next gang is created at once, not 3 s later; only
+   where the other nodes have no room for the whole next gang does the lost rank get a 1 s grace
+   (rule 5 then finds a silent node out, and its NodeSilent event says why). Restarts the pods'
+   agents made in place (elastic.restartInPlace; rank 0's metrics, or a failed pod's agent's last
+   line) count in restarts as well. [_decide, failures.detect, failures.stalled_gang,
+   suspects.suspect_nodes, nodes.delete_all, restarts.new_generation, restarts.count_in_place]
 7. Pods unschedulable past the elastic scheduling timeout shrink the job to what fits (planned);
    a Volcano gang whose members would fit waits instead (its queue or priority holds it).
    [rescale.maybe_shrink]
@@ -59,10 +65,11 @@ queue). Every other change comes as an event: a pod, a node, the job's spec, ran
 
 This file keeps the rules and their order; the details live in a module per concern beside it:
 lifecycle.py (start, deadline, success and failure, clean-up, suspend), nodes.py (lost nodes,
-silent kubelets, deleting workers), failures.py (what failed in the current generation),
-restarts.py (a new generation, restarts in place, recoveries), rescale.py (capacity, shrink and
-rescale), trainer_reports.py (what rank 0 reports), observed.py (the input) and
-reconcile_pass.py (the status, actions and phase one pass builds).
+silent kubelets, deleting workers), suspects.py (the node of a rank its peers lost), failures.py
+(what failed in the current generation), restarts.py (a new generation, restarts in place,
+recoveries), rescale.py (capacity, shrink and rescale), trainer_reports.py (what rank 0
+reports), observed.py (the input) and reconcile_pass.py (the status, actions and phase one pass
+builds).
 """
 
 from __future__ import annotations
@@ -84,6 +91,7 @@ from dtjob.operator import (
     ownership,
     rescale,
     restarts,
+    suspects,
     trainer_reports,
 )
 from dtjob.operator.actions import (
@@ -265,6 +273,9 @@ def _decide(p: ReconcilePass, current: Sequence[Worker], workers: Sequence[Worke
         preempted = next((f.reason for f in found if f.reason == "Preempted"), causes[0].reason)
         reason = next((f.reason for f in causes if f.counted), preempted)
         cause = next(f for f in found if f.reason == reason)
+        lost = failures.lost_pods(p, found, current)
+        # Before the new generation is sized: it avoids the suspects (and fits beside them).
+        suspected = suspects.suspect_nodes(p, lost)
         restarts.new_generation(
             p,
             rescale.target_size(p),
@@ -276,9 +287,8 @@ def _decide(p: ReconcilePass, current: Sequence[Worker], workers: Sequence[Worke
         )
         # A planned stop (preemption, a worker's own exit 75): the others checkpoint first, with
         # their full grace period; after a failure they cannot (a peer is gone).
-        lost = {f.lost_rank for f in found if f.reason == "PeerLost" and f.lost_rank is not None}
         grace = p.settings.unplanned_stop_grace_seconds if counted else None
-        nodes.delete_all(p, workers, grace, lost={w.name for w in current if w.rank in lost})
+        nodes.delete_all(p, workers, grace, lost={w.name for w in lost}, suspects=suspected)
         return True
 
     if p.status.get("phase") == RESTARTING and any(
