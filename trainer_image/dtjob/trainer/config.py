@@ -61,8 +61,7 @@ class TrainerConfig:
     )
     pipeline_stages: int = _opt(
         2,
-        "pipeline stages for --strategy pipeline; WORLD_SIZE must be a multiple of it times "
-        "--tensor-parallel (spec.parallelism.pipeline)",
+        "pipeline stages for --strategy pipeline; WORLD_SIZE must be a multiple (spec.parallelism.pipeline)",
     )
     microbatches: int = _opt(4, "micro-batches per step for --strategy pipeline")
     schedule: str = _opt("1f1b", "pipeline schedule", choices=("gpipe", "1f1b"))
@@ -247,12 +246,13 @@ _POD_DECLARED = {
 def _declared(name: str, raw: str | None, env: Mapping[str, str], pod: contract.PodEnv) -> dict[str, Any]:
     field_name, variable = _POD_DECLARED[name]
     declared = pod.value(variable)
-    given = None
+    given, where = None, ""
     if raw is not None:
-        given, where = _convert(name, raw, f"flag {flag_of(name)}"), f"flag {flag_of(name)}"
+        where = f"flag {flag_of(name)}"
+        given = _convert(name, raw, where)
     elif env.get(env_of(name), "") != "":
-        given = _convert(name, env[env_of(name)], f"environment variable {env_of(name)}")
         where = f"environment variable {env_of(name)}"
+        given = _convert(name, env[env_of(name)], where)
     if given is not None and declared is not None and given != declared:
         raise ConfigError(
             f"{where}={given} disagrees with the job's spec.parallelism.{field_name}={declared} "
@@ -368,7 +368,7 @@ def validate(c: TrainerConfig) -> None:
 
 
 def _validate_tensor_parallel(c: TrainerConfig) -> None:
-    """--tensor-parallel T: the world holds whole T x P replicas; the model can be split T ways."""
+    """--tensor-parallel T: the world holds whole TP groups, and the model can be split T ways."""
     T = c.tensor_parallel
     _require(T >= 1, f"{_where('tensor_parallel')} must be at least 1, got {T}")
     if T == 1:
