@@ -88,6 +88,12 @@ ENV_SNAPSHOT_EVERY = "DTJOB_SNAPSHOT_EVERY"
 ENV_SNAPSHOT_MEMORY_LIMIT = "DTJOB_SNAPSHOT_MEMORY_LIMIT"
 # Where the operator mounts a memory-backed emptyDir for them (a pod's own /dev/shm is 64 MiB).
 DEFAULT_SNAPSHOT_DIR = "/dev/shm/dtjob-snapshots"
+# spec.parallelism (#44): the tensor-parallel size (the processes of a pod split each layer) and
+# the pipeline stages of one data-parallel replica; set only where the spec has parallelism. The
+# built-in trainer takes them as the values of --tensor-parallel and --pipeline-stages (a flag, or
+# its own DTJOB_TENSOR_PARALLEL / DTJOB_PIPELINE_STAGES, must agree).
+ENV_PARALLELISM_TENSOR = "DTJOB_PARALLELISM_TENSOR"
+ENV_PARALLELISM_PIPELINE = "DTJOB_PARALLELISM_PIPELINE"
 
 # --- metrics (gauges) --------------------------------------------------------------------------
 METRIC_STEP = "dtjob_trainer_step"
@@ -362,6 +368,8 @@ class PodEnv:
     snapshot_dir: str = _var(ENV_SNAPSHOT_DIR, DEFAULT_SNAPSHOT_DIR, _TEXT)
     snapshot_every: int = _var(ENV_SNAPSHOT_EVERY, 1, _COUNT)  # 0: no snapshots
     snapshot_memory_limit: int = _var(ENV_SNAPSHOT_MEMORY_LIMIT, 0, _COUNT)  # 0: the cgroup's
+    parallelism_tensor: int | None = _var(ENV_PARALLELISM_TENSOR, None, _SIZE)  # None: not declared
+    parallelism_pipeline: int | None = _var(ENV_PARALLELISM_PIPELINE, None, _SIZE)  # None: not declared
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] = os.environ) -> PodEnv:
@@ -458,6 +466,15 @@ ENVIRONMENT: dict[str, tuple[str, str]] = {
     ENV_SNAPSHOT_DIR: ("user", "in-memory snapshots' directory: a tmpfs that outlives the trainer processes"),
     ENV_SNAPSHOT_EVERY: ("user", "steps between in-memory snapshots (0: none)"),
     ENV_SNAPSHOT_MEMORY_LIMIT: ("user", "host bytes snapshots may take per pod (0: the cgroup's memory.max)"),
+    ENV_PARALLELISM_TENSOR: (
+        "operator",
+        "spec.parallelism.tensor: processes of one pod that split each layer (only with spec.parallelism)",
+    ),
+    ENV_PARALLELISM_PIPELINE: (
+        "operator",
+        "spec.parallelism.pipeline: pipeline stages of one data-parallel replica (only with "
+        "spec.parallelism)",
+    ),
 }
 
 EXIT_CODES: dict[int, str] = {

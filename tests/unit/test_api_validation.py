@@ -135,6 +135,18 @@ INVALID: list[Invalid] = [
     ),
     Invalid("relative-mount-path", _set("spec.checkpoint.mountPath", "ckpt"), ("spec.checkpoint.mountPath",)),
     Invalid("queue-without-gang", _set("spec.scheduling.queue", "research"), ("spec.scheduling.queue",)),
+    Invalid("tensor-zero", _spec(nprocPerWorker=2, parallelism={"tensor": 0}), ("spec.parallelism.tensor",)),
+    Invalid("parallelism-without-nproc", _spec(parallelism={"tensor": 2}), ("spec.parallelism",)),
+    Invalid(
+        "tensor-not-dividing-nproc",
+        _spec(nprocPerWorker=3, parallelism={"tensor": 2}),
+        ("spec.parallelism.tensor", "nprocPerWorker"),
+    ),
+    Invalid(
+        "world-sizes-not-multiples-of-tensor-x-pipeline",
+        _spec(nprocPerWorker=2, parallelism={"tensor": 2, "pipeline": 2}),
+        ("spec.parallelism", "every world size"),
+    ),
     Invalid("name-with-dots", _set("metadata.name", "job.v2"), ("metadata.name",)),
     Invalid("name-too-long", _set("metadata.name", "j" * 51), ("metadata.name",)),
 ]

@@ -39,6 +39,8 @@ FULL = {
     contract.ENV_SNAPSHOT_DIR: "/snapshots",
     contract.ENV_SNAPSHOT_EVERY: "5",
     contract.ENV_SNAPSHOT_MEMORY_LIMIT: "1048576",
+    contract.ENV_PARALLELISM_TENSOR: "2",
+    contract.ENV_PARALLELISM_PIPELINE: "1",
 }
 
 
@@ -76,6 +78,8 @@ def test_every_variable_is_read_typed() -> None:
         snapshot_dir="/snapshots",
         snapshot_every=5,
         snapshot_memory_limit=1048576,
+        parallelism_tensor=2,
+        parallelism_pipeline=1,
     )
     assert env.value(contract.ENV_HEARTBEAT_TIMEOUT) == 2.5
 

@@ -208,6 +208,27 @@ class RunPolicy(ApiModel):
     )
 
 
+class Parallelism(ApiModel):
+    """How the processes of one data-parallel replica split the model (3-D parallelism, #44)."""
+
+    tensor: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="Tensor-parallel size T: each layer is split over T processes of one pod (its "
+        "NVLink), so T must divide nprocPerWorker. Given to the trainer as "
+        "DTJOB_PARALLELISM_TENSOR (the built-in trainer's --tensor-parallel).",
+    )
+    pipeline: int = Field(
+        default=1,
+        ge=1,
+        le=1024,
+        description="Pipeline stages P of one replica, across pods. Given to the trainer as "
+        "DTJOB_PARALLELISM_PIPELINE (the built-in trainer's --pipeline-stages, with --strategy "
+        "pipeline).",
+    )
+
+
 class DistributedTrainingJobSpec(ApiModel):
     """The desired state of a job; the user writes it."""
 
@@ -261,6 +282,15 @@ class DistributedTrainingJobSpec(ApiModel):
         "Unset: the trainer container's nvidia.com/gpu limit, else 1. With more than one, the pod runs "
         "the container's command through `python -m dtjob.launcher`. Replicas, elastic bounds and "
         "`kubectl scale` count pods; the gang has replicas x nprocPerWorker processes. Immutable.",
+    )
+    parallelism: Parallelism | None = Field(
+        default=None,
+        description="Tensor and pipeline parallelism of the trainer: the data-parallel size is "
+        "replicas x nprocPerWorker / (tensor x pipeline), and elastic rescales and `kubectl scale` "
+        "change it only. With tensor x pipeline > 1, nprocPerWorker must be set, and every world "
+        "size from elastic.minReplicas to elastic.maxReplicas (unset: replicas) must be a "
+        "multiple of tensor x pipeline. Unset: the trainer's flags decide (no variables set). "
+        "Change it with a new job (the trainer refuses a checkpoint of another tensor size).",
     )
     template: PodTemplateSpec = Field(
         description="Pod template of every worker; it must have a container named `trainer`, "

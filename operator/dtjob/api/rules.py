@@ -55,6 +55,34 @@ def _pod_spec(spec: DistributedTrainingJobSpec) -> dict[str, Any]:
     return pod_spec if isinstance(pod_spec, dict) else {}
 
 
+def _tp(spec: DistributedTrainingJobSpec) -> tuple[int, int]:
+    """(tensor, pipeline) of spec.parallelism, (1, 1) without it."""
+    p = spec.parallelism
+    return (1, 1) if p is None else (p.tensor, p.pipeline)
+
+
+def _world_sizes_fit(spec: DistributedTrainingJobSpec) -> bool:
+    """Every world size the bounds allow, replicas x nprocPerWorker for replicas from
+    elastic.minReplicas to elastic.maxReplicas (each unset: replicas), holds whole T x P replicas."""
+    tensor, pipeline = _tp(spec)
+    if spec.nproc_per_worker is None:
+        return True  # the rule above asks for it
+    n, low, high = spec.nproc_per_worker, *_bounds(spec)
+    # One size: r x n. Two or more consecutive ones: their difference n must be a multiple too,
+    # and then all are (the CEL rule says the same).
+    return (low * n if low == high else n) % (tensor * pipeline) == 0
+
+
+def _bounds(spec: DistributedTrainingJobSpec) -> tuple[int, int]:
+    return spec.elastic.min_replicas or spec.replicas, spec.elastic.max_replicas or spec.replicas
+
+
+# CEL: T and P (defaults 1) and the bounds, as _tp and _bounds.
+_T = "(has(self.parallelism.tensor) ? self.parallelism.tensor : 1)"
+_P = "(has(self.parallelism.pipeline) ? self.parallelism.pipeline : 1)"
+_LOW = "(has(self.elastic) && has(self.elastic.minReplicas) ? self.elastic.minReplicas : self.replicas)"
+_HIGH = "(has(self.elastic) && has(self.elastic.maxReplicas) ? self.elastic.maxReplicas : self.replicas)"
+
 RULES: tuple[Rule, ...] = (
     Rule(
         "replicas",
@@ -104,6 +132,29 @@ RULES: tuple[Rule, ...] = (
         "self.metricsPort != self.masterPort + 1",
         "metricsPort must differ from masterPort + 1 (the pod agent's port)",
         lambda s: s.metrics_port != s.master_port + 1,
+    ),
+    Rule(
+        "parallelism",
+        f"!has(self.parallelism) || {_T} * {_P} == 1 || has(self.nprocPerWorker)",
+        "parallelism with tensor x pipeline > 1 needs nprocPerWorker set (a tensor-parallel group is "
+        "the processes of one pod)",
+        lambda s: _tp(s) == (1, 1) or s.nproc_per_worker is not None,
+    ),
+    Rule(
+        "parallelism.tensor",
+        f"!has(self.parallelism) || !has(self.nprocPerWorker) || self.nprocPerWorker % {_T} == 0",
+        "parallelism.tensor must divide nprocPerWorker (a tensor-parallel group stays inside one pod); "
+        "use a divisor or raise nprocPerWorker",
+        lambda s: s.nproc_per_worker is None or s.nproc_per_worker % _tp(s)[0] == 0,
+    ),
+    Rule(
+        "parallelism",
+        f"!has(self.parallelism) || !has(self.nprocPerWorker) || ({_LOW} == {_HIGH} ? "
+        f"{_LOW} * self.nprocPerWorker % ({_T} * {_P}) == 0 : self.nprocPerWorker % ({_T} * {_P}) == 0)",
+        "every world size replicas x nprocPerWorker from elastic.minReplicas to elastic.maxReplicas "
+        "(unset: replicas) must be a multiple of parallelism.tensor x parallelism.pipeline; change "
+        "the bounds, nprocPerWorker or parallelism",
+        _world_sizes_fit,
     ),
     Rule(
         "scheduling.queue",

@@ -88,6 +88,10 @@ def _trainer_env(
         c.ENV_METRICS_PORT: str(job.metrics_port),
         c.ENV_HEARTBEAT_TIMEOUT: str(job.heartbeat_timeout_seconds),
     }
+    parallelism = job.spec.parallelism
+    if parallelism is not None:  # declared: the trainer's --tensor-parallel / --pipeline-stages
+        values[c.ENV_PARALLELISM_TENSOR] = str(parallelism.tensor)
+        values[c.ENV_PARALLELISM_PIPELINE] = str(parallelism.pipeline)
     if job.restart_in_place:
         values[c.ENV_AGENT_PORT] = str(agent_port(job))
         values[c.ENV_RESTARTS_LEFT] = str(max(0, restarts_left))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,17 @@ from torch.utils.data import Dataset
 from dtjob.trainer.config import ConfigError, TrainerConfig, is_factory
 from dtjob.trainer.data import VOCAB_SIZE, Corpus, DataError, TokenWindows
 from dtjob.trainer.models import GPT, MLP, GPTConfig, MLPConfig
-from dtjob.trainer.parallel import common, data_parallel, fully_shard, pipeline
+from dtjob.trainer.parallel import (
+    Mesh,
+    common,
+    data_parallel,
+    fully_shard,
+    mesh,
+    pipeline,
+    tensor_parallel,
+    vocab_parallel_cross_entropy,
+)
+from dtjob.trainer.parallel.tp.plans import has_auto_plan
 
 # The MLP's hidden width relative to --dim, as in a transformer block's MLP.
 _MLP_HIDDEN_RATIO = 4
@@ -129,8 +140,46 @@ def _names(text: str | None) -> list[str] | None:
     return [n.strip() for n in text.split(",") if n.strip()] if text else None
 
 
-def wrap(model: nn.Module, c: TrainerConfig) -> nn.Module:
-    """The model wrapped for --strategy, on the already initialised process group."""
+LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """The wrapped model, the loss its outputs take, and the mesh (None without --tensor-parallel)."""
+
+    model: nn.Module
+    loss: LossFn
+    mesh: Mesh | None = None
+
+
+def parallelize(model: nn.Module, c: TrainerConfig) -> Parallel:
+    """--tensor-parallel T > 1: the mesh (dp = world / (T x P), tp = T, pp = P: P = --pipeline-stages
+    under --strategy pipeline, else 1), the model split with tensor_parallel's plan "auto" over its
+    TP group, then wrapped for --strategy over the data-parallel group (a pipeline over dp x pp).
+    The vocab-split head's logits take vocab_parallel_cross_entropy. T = 1: wrap() as ever.
+    (config.py refuses T > 1 with --strategy pipeline for now: the session's checkpoints of it.)"""
+    if c.tensor_parallel == 1:
+        return Parallel(wrap(model, c), lm_loss)
+    if not has_auto_plan(model):
+        raise ConfigError(
+            f"--tensor-parallel {c.tensor_parallel}: tensor_parallel's plan='auto' does not know "
+            f"--model {c.model} ({type(model).__name__}); use --model gpt, a Hugging Face GPT-2 or Llama, "
+            "or your own loop with ElasticSession and tensor_parallel(model, plan={...}) with an "
+            "explicit plan"
+        )
+    m = mesh(dp=c.data_parallel_size, tp=c.tensor_parallel, pp=c.stages)
+    split = tensor_parallel(model, "auto", group=m.tp, collective=c.collective)
+
+    def loss(output: Any, targets: torch.Tensor) -> torch.Tensor:
+        logits = getattr(output, "logits", output)
+        return vocab_parallel_cross_entropy(logits.float(), targets, m.tp)
+
+    return Parallel(wrap(split, c, group=m.dp_pp if c.strategy == "pipeline" else m.dp, loss=loss), loss, m)
+
+
+def wrap(model: nn.Module, c: TrainerConfig, *, group: Any = None, loss: LossFn | None = None) -> nn.Module:
+    """The model wrapped for --strategy over `group` (default: the world), on the already
+    initialised process group; `loss`: a pipeline's (default lm_loss)."""
     precision = None if c.precision == "fp32" else c.precision
     if c.activation_checkpointing:
         common.apply_activation_checkpointing(blocks(model))
@@ -142,6 +191,7 @@ def wrap(model: nn.Module, c: TrainerConfig) -> nn.Module:
             first_bucket_mb=c.first_bucket_mb,
             grad_compression=c.grad_compression,
             mixed_precision=precision,
+            group=group,
         )
     if c.strategy == "fsdp":
         return fully_shard(
@@ -151,6 +201,7 @@ def wrap(model: nn.Module, c: TrainerConfig) -> nn.Module:
             collective=c.collective,
             mixed_precision=precision,
             prefetch=c.zero3_prefetch,
+            group=group,
         )
     return pipeline(
         model,
@@ -158,9 +209,10 @@ def wrap(model: nn.Module, c: TrainerConfig) -> nn.Module:
         microbatches=c.microbatches,
         schedule=c.schedule,
         split=_names(c.split),
-        loss_fn=lm_loss,
+        loss_fn=loss or lm_loss,
         collective=c.collective,
         mixed_precision=precision,
+        group=group,
     )
 
 

@@ -53,7 +53,16 @@ class TrainerConfig:
         None, "--strategy fsdp: comma-separated module names of the units (default: auto)"
     )
     zero3_prefetch: bool = _opt(True, "--strategy fsdp, ZeRO-3: gather the next unit while one computes")
-    pipeline_stages: int = _opt(2, "pipeline stages for --strategy pipeline; WORLD_SIZE must be a multiple")
+    tensor_parallel: int = _opt(
+        1,
+        "tensor-parallel size T: each layer split over T processes of one pod (a divisor of "
+        "LOCAL_WORLD_SIZE), composed with --strategy over the data-parallel replicas; --model gpt or "
+        "a model tensor_parallel's plan='auto' knows (spec.parallelism.tensor)",
+    )
+    pipeline_stages: int = _opt(
+        2,
+        "pipeline stages for --strategy pipeline; WORLD_SIZE must be a multiple (spec.parallelism.pipeline)",
+    )
     microbatches: int = _opt(4, "micro-batches per step for --strategy pipeline")
     schedule: str = _opt("1f1b", "pipeline schedule", choices=("gpipe", "1f1b"))
     split: str | None = _opt(None, "--strategy pipeline: comma-separated module names where stages 1.. begin")
@@ -125,11 +134,14 @@ class TrainerConfig:
     namespace: str = _opt("", "namespace of the job (labels only)", env="DTJOB_NAMESPACE")
 
     @property
+    def stages(self) -> int:
+        """Pipeline stages of one replica: --pipeline-stages under --strategy pipeline, else 1."""
+        return self.pipeline_stages if self.strategy == "pipeline" else 1
+
+    @property
     def data_parallel_size(self) -> int:
-        """Replicas that split the global batch (pipeline stages of one replica share a slice)."""
-        if self.strategy == "pipeline":
-            return self.world_size // self.pipeline_stages
-        return self.world_size
+        """Replicas that split the global batch (the T x P processes of one replica share a slice)."""
+        return self.world_size // (self.stages * self.tensor_parallel)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -209,7 +221,9 @@ def parse(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> Trai
         raise ConfigError(str(err)) from None
     values: dict[str, Any] = {}
     for name in _FIELDS:
-        if args[name] is not None:
+        if name in _POD_DECLARED:
+            values.update(_declared(name, args[name], env, pod))
+        elif args[name] is not None:
             values[name] = _convert(name, args[name], f"flag {flag_of(name)}")
         elif env_of(name) in contract.ENVIRONMENT:  # the pod's: typed and checked by the contract
             values[name] = pod.value(env_of(name))
@@ -217,7 +231,52 @@ def parse(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> Trai
             values[name] = _convert(name, env[env_of(name)], f"environment variable {env_of(name)}")
     config = TrainerConfig(**values)
     validate(config)
+    _check_pod(config, pod, local_known=env.get(contract.ENV_LOCAL_WORLD_SIZE, "") != "")
     return config
+
+
+# Fields the job's spec.parallelism declares (the operator sets these variables only where the
+# spec has it): the declared value is the field's, and a flag or the field's own variable must agree.
+_POD_DECLARED = {
+    "tensor_parallel": ("tensor", contract.ENV_PARALLELISM_TENSOR),
+    "pipeline_stages": ("pipeline", contract.ENV_PARALLELISM_PIPELINE),
+}
+
+
+def _declared(name: str, raw: str | None, env: Mapping[str, str], pod: contract.PodEnv) -> dict[str, Any]:
+    field_name, variable = _POD_DECLARED[name]
+    declared = pod.value(variable)
+    given, where = None, ""
+    if raw is not None:
+        where = f"flag {flag_of(name)}"
+        given = _convert(name, raw, where)
+    elif env.get(env_of(name), "") != "":
+        where = f"environment variable {env_of(name)}"
+        given = _convert(name, env[env_of(name)], where)
+    if given is not None and declared is not None and given != declared:
+        raise ConfigError(
+            f"{where}={given} disagrees with the job's spec.parallelism.{field_name}={declared} "
+            f"(env {variable}); drop it or make them equal"
+        )
+    value = given if given is not None else declared
+    return {} if value is None else {name: value}
+
+
+def _check_pod(c: TrainerConfig, pod: contract.PodEnv, *, local_known: bool) -> None:
+    """The checks against the pod: the processes per pod, and the pipeline the job declares."""
+    if local_known:
+        _require(
+            c.local_world_size % c.tensor_parallel == 0,
+            f"{_where('tensor_parallel')}={c.tensor_parallel} does not divide the {c.local_world_size} "
+            f"processes per pod (LOCAL_WORLD_SIZE, spec.nprocPerWorker): a tensor-parallel group stays "
+            f"inside one pod; use a divisor of {c.local_world_size} or raise spec.nprocPerWorker",
+        )
+    stages = pod.parallelism_pipeline
+    _require(
+        stages is None or stages == 1 or c.strategy == "pipeline",
+        f"the job's spec.parallelism.pipeline={stages} (env {contract.ENV_PARALLELISM_PIPELINE}) needs "
+        f"--strategy pipeline, not {c.strategy}; change the flag or spec.parallelism.pipeline",
+    )
 
 
 def _require(ok: bool, message: str) -> None:
@@ -268,9 +327,10 @@ def validate(c: TrainerConfig) -> None:
         _require(
             c.dim % c.heads == 0, f"{_where('dim')}={c.dim} must be divisible by {_where('heads')}={c.heads}"
         )
-    replicas = c.world_size
-    per_rank = c.global_batch_size // max(1, c.world_size)
-    if c.strategy != "pipeline" and c.global_batch_size % c.world_size == 0:
+    _validate_tensor_parallel(c)
+    replicas = c.data_parallel_size
+    if c.strategy != "pipeline" and c.global_batch_size % replicas == 0:
+        per_rank = c.global_batch_size // replicas
         _require(
             per_rank % c.grad_accum == 0,
             f"{_where('global_batch_size')}={c.global_batch_size} gives {per_rank} samples per rank, not "
@@ -292,11 +352,11 @@ def validate(c: TrainerConfig) -> None:
                 f"{_where('pipeline_stages')}={c.pipeline_stages} exceeds the {blocks} blocks of the model; "
                 f"raise {_where('layers')} or use fewer stages",
             )
-        replicas = c.world_size // c.pipeline_stages
     _require(
         c.global_batch_size % replicas == 0,
         f"{_where('global_batch_size')}={c.global_batch_size} is not divisible by the {replicas} "
-        f"data-parallel replicas (WORLD_SIZE={c.world_size}); use a multiple of {replicas}",
+        f"data-parallel replicas (WORLD_SIZE={c.world_size} / (tensor x pipeline)); use a multiple of "
+        f"{replicas}",
     )
     if c.strategy == "pipeline":
         per_replica = c.global_batch_size // replicas
@@ -304,6 +364,39 @@ def validate(c: TrainerConfig) -> None:
             per_replica % c.microbatches == 0,
             f"{_where('global_batch_size')}={c.global_batch_size} gives {per_replica} samples per replica, "
             f"not divisible by {_where('microbatches')}={c.microbatches}",
+        )
+
+
+def _validate_tensor_parallel(c: TrainerConfig) -> None:
+    """--tensor-parallel T: the world holds whole TP groups, and the model can be split T ways."""
+    T = c.tensor_parallel
+    _require(T >= 1, f"{_where('tensor_parallel')} must be at least 1, got {T}")
+    if T == 1:
+        return
+    _require(
+        c.world_size % T == 0,
+        f"WORLD_SIZE={c.world_size} is not a multiple of {_where('tensor_parallel')}={T}; run a "
+        "multiple of it (spec.parallelism.tensor divides spec.nprocPerWorker)",
+    )
+    # ElasticSession's checkpoints (TrainState) of a TP model under pipeline are refused by the
+    # pipeline (parallel/pp/module.py local_shards), and the built-in trainer always tracks one.
+    _require(
+        c.strategy != "pipeline",
+        f"{_where('tensor_parallel')}={T} with --strategy pipeline is not supported by the built-in "
+        "trainer (its checkpoints of a tensor-parallel pipeline are not); use --strategy ddp or fsdp "
+        "with it, or your own loop: pipeline(tensor_parallel(model, ...), group=mesh(...).dp_pp) and "
+        "full_state_dict(model) for checkpoints",
+    )
+    _require(
+        c.model != "mlp",
+        f"{_where('tensor_parallel')}={T}: --model mlp has no tensor-parallel plan; use --model gpt, or "
+        "your own loop with ElasticSession and tensor_parallel(model, plan={...}) with an explicit plan",
+    )
+    if c.model == "gpt":
+        _require(
+            c.heads % T == 0,
+            f"{_where('heads')}={c.heads} is not divisible by {_where('tensor_parallel')}={T}: each "
+            "rank runs whole attention heads; use a multiple of it",
         )
 
 

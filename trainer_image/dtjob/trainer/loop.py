@@ -54,6 +54,12 @@ def _check_resumable(c: TrainerConfig, manifest: dict[str, Any]) -> None:
                 f"{theirs[name]}, this run has {getattr(c, name)}; use the same model flags or another "
                 "--checkpoint-dir"
             )
+    if theirs.get("tensor_parallel", 1) != c.tensor_parallel:
+        raise ConfigError(
+            f"checkpoint step {manifest['step']} was written with --tensor-parallel "
+            f"{theirs.get('tensor_parallel', 1)}, this run has {c.tensor_parallel}; resume with the same "
+            "tensor-parallel size (data parallel may change), or convert it through full_state_dict"
+        )
     pipelines = {"pipeline"} & {theirs.get("strategy"), c.strategy}
     if pipelines and (theirs.get("strategy"), theirs.get("pipeline_stages")) != (
         c.strategy,
@@ -111,7 +117,17 @@ def _train(session: ElasticSession, c: TrainerConfig) -> None:
     # The attention term needs the transformer's shape: dtjob's GPT only (#41).
     shape = (c.layers, c.seq_len, c.dim) if c.model == "gpt" else ()
     model_flops = flops_per_token(n_params, *shape)
-    wrapped = build.wrap(model, c)
+    parallel = build.parallelize(model, c)
+    wrapped = parallel.model
+    if session.rank == 0:
+        log.info(
+            "parallelism: tensor parallel %d x pipeline %d x data parallel %d (world %d, --strategy %s)",
+            c.tensor_parallel,
+            c.stages,
+            c.data_parallel_size,
+            session.world_size,
+            c.strategy,
+        )
     optimizer = build.optimizer(wrapped, dims, c)
     schedule = WarmupCosine(c.lr, c.min_lr, c.warmup_steps, c.steps)
     # LambdaLR's k counts optimizer steps from 0: step s (1-based) runs at lr_at(s).
@@ -129,7 +145,7 @@ def _train(session: ElasticSession, c: TrainerConfig) -> None:
         if is_pipeline:
             loss: torch.Tensor | float = wrapped.step(x, y, scaler=scaler)  # type: ignore[operator]
         else:
-            loss = _forward_backward(wrapped, x, y, c.grad_accum, scaler)
+            loss = _forward_backward(wrapped, parallel.loss, x, y, c.grad_accum, scaler)
         if c.grad_clip > 0:
             scaler.unscale_(optimizer)
             torch.nn.utils.clip_grad_norm_(wrapped.parameters(), c.grad_clip)
@@ -140,6 +156,8 @@ def _train(session: ElasticSession, c: TrainerConfig) -> None:
         seconds = session.step_seconds
         tokens_per_s = c.global_batch_size * c.seq_len / seconds
         fields: dict[str, Any] = {"lr": lr, "tokens_per_s": round(tokens_per_s, 1)}
+        if c.tensor_parallel > 1:
+            fields.update(tensor_parallel=c.tensor_parallel, data_parallel=c.data_parallel_size)
         if peak:
             fields["mfu"] = round(model_flops * tokens_per_s / (peak * session.world_size), 4)
         value = session.report(loss, **fields)
@@ -147,13 +165,14 @@ def _train(session: ElasticSession, c: TrainerConfig) -> None:
             raise FloatingPointError(f"loss is {value} at step {step}; lower --lr or check the data")
         if session.rank == 0:
             log.info(
-                "step %d/%d  loss %.4f  lr %.2e  %.0f tokens/s  world %d  gen %d",
+                "step %d/%d  loss %.4f  lr %.2e  %.0f tokens/s  world %d  dp %d  gen %d",
                 step,
                 c.steps,
                 value,
                 lr,
                 tokens_per_s,
                 session.world_size,
+                c.data_parallel_size,
                 session.generation,
             )
 
@@ -172,7 +191,12 @@ def _grad_scaler(c: TrainerConfig, session: ElasticSession) -> torch.amp.GradSca
 
 
 def _forward_backward(
-    model: Any, x: torch.Tensor, y: torch.Tensor, parts: int, scaler: torch.amp.GradScaler
+    model: Any,
+    loss_fn: build.LossFn,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    parts: int,
+    scaler: torch.amp.GradScaler,
 ) -> torch.Tensor:
     """This rank's mean loss over `parts` micro-steps; gradients reduced after the last only."""
     total = torch.zeros((), device=x.device)
@@ -180,7 +204,7 @@ def _forward_backward(
     for i, (xi, yi) in enumerate(chunks):
         accumulate = i < len(chunks) - 1
         with model.no_sync() if accumulate else contextlib.nullcontext():
-            loss = build.lm_loss(model(xi), yi) / parts
+            loss = loss_fn(model(xi), yi) / parts
             scaler.scale(loss).backward()
         total += loss.detach()
     return total

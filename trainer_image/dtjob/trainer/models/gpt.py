@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +18,8 @@ from torch import nn
 
 @dataclass(frozen=True)
 class GPTConfig:
+    # The family tensor_parallel(model, "auto") looks up (parallel/tp/plans.py), as Hugging Face's.
+    model_type: ClassVar[str] = "dtjob-gpt"
     vocab: int = 256
     width: int = 128  # model (residual stream) width
     depth: int = 4  # number of transformer blocks
@@ -52,19 +55,22 @@ class Embedding(nn.Module):
 
 
 class CausalSelfAttention(nn.Module):
+    """Heads follow from qkv's output width (-1 below), so a tensor-parallel split of qkv and proj
+    (models/gpt.py's plan in parallel/tp/plans.py) runs this rank's heads unchanged."""
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.heads = cfg.heads
+        self.head_dim = cfg.width // cfg.heads
         self.qkv = nn.Linear(cfg.width, 3 * cfg.width)
         self.proj = nn.Linear(cfg.width, cfg.width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(x).split(c, dim=2)
-        shape = (b, t, self.heads, c // self.heads)
-        q, k, v = (z.view(shape).transpose(1, 2) for z in (q, k, v))
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).chunk(3, dim=2)
+        shape = (b, t, -1, self.head_dim)
+        q, k, v = (z.reshape(shape).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
 class Block(nn.Module):

@@ -64,6 +64,17 @@ class Wrapper(nn.Module):
     def extra_repr(self) -> str:
         return f"world={self.comm.size}, collective={self.comm.algorithm!r}"
 
+    # Which part of a global batch this rank reads (ElasticSession.batch_sampler): its place among
+    # the replicas the wrapper averages over, its group (mesh(...).dp under tensor parallelism,
+    # where the TP ranks of a replica read the same rows). A pipeline answers its replicas.
+    @property
+    def data_parallel_rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.comm.size
+
 
 class GradientSync:
     """torch's `no_sync()` and FSDP2's `set_requires_gradient_sync()` for a wrapper whose backward

@@ -1,5 +1,6 @@
-"""Built-in plans (`plan="auto"`) for Hugging Face GPT-2 and Llama, and the attention modules'
-head counts made local after their projections are split."""
+"""Built-in plans (`plan="auto"`) for Hugging Face GPT-2 and Llama and for dtjob's own GPT
+(`--model gpt`, models/gpt.py), and the attention modules' head counts made local after their
+projections are split."""
 
 from __future__ import annotations
 
@@ -26,7 +27,23 @@ LLAMA_PLAN = {
     "model.layers.*.mlp.down_proj": "rowwise",
 }
 
-_PLANS = {"gpt2": GPT2_PLAN, "llama": LLAMA_PLAN}
+# dtjob's GPT (models/gpt.py): its attention takes the heads from qkv's local width; the position
+# embedding and the norms stay replicated.
+DTJOB_GPT_PLAN = {
+    "embed.tokens": "vocab",
+    "blocks.*.attn.qkv": "colwise_qkv",
+    "blocks.*.attn.proj": "rowwise",
+    "blocks.*.mlp.0": "colwise",
+    "blocks.*.mlp.2": "rowwise",
+    "head.out": "vocab",
+}
+
+_PLANS = {"gpt2": GPT2_PLAN, "llama": LLAMA_PLAN, "dtjob-gpt": DTJOB_GPT_PLAN}
+
+
+def has_auto_plan(model: nn.Module) -> bool:
+    """Whether plan="auto" knows the model's family."""
+    return getattr(getattr(model, "config", None), "model_type", None) in _PLANS
 
 
 def auto_plan(model: nn.Module) -> dict[str, str]:
@@ -34,7 +51,7 @@ def auto_plan(model: nn.Module) -> dict[str, str]:
     family = getattr(getattr(model, "config", None), "model_type", None)
     if family not in _PLANS:
         raise ValueError(
-            f"tensor_parallel: plan='auto' knows Hugging Face {sorted(_PLANS)} models, not "
+            f"tensor_parallel: plan='auto' knows Hugging Face gpt2 and llama models and dtjob's GPT, not "
             f"{type(model).__name__} (model_type {family!r}); pass plan={{module pattern: 'colwise' | "
             "'rowwise' | 'vocab'}}"
         )
@@ -44,7 +61,7 @@ def auto_plan(model: nn.Module) -> dict[str, str]:
 def check_heads(model: nn.Module, size: int) -> None:
     """Hugging Face configs: the head counts must divide by the TP size (each rank takes whole heads)."""
     config = getattr(model, "config", None)
-    for field in ("num_attention_heads", "num_key_value_heads", "n_head"):
+    for field in ("num_attention_heads", "num_key_value_heads", "n_head", "heads"):
         heads = getattr(config, field, None)
         if isinstance(heads, int) and heads % size:
             raise ValueError(
