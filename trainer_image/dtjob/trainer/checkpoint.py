@@ -34,7 +34,9 @@ indexes and checksums, then rank 0 writes the manifest, fsyncs, and renames the 
 to `step-<step>/`; only after that rename does any rank return. Then rank 0 keeps the newest
 `--keep-checkpoints` step directories that have a manifest and deletes every other one. A write
 that fails on any rank (a full volume: ENOSPC) fails on every rank, and rank 0 removes its staging
-directory: the newest published checkpoint stays the newest.
+directory: the newest published checkpoint stays the newest. With in-memory snapshots on, a
+periodic checkpoint runs this protocol on the snapshot's thread, from the snapshot's bytes
+(`Checkpointer.write`, checkpoint_background.py), while the next steps train.
 
 Loading at any world size: rank 0 picks the newest valid checkpoint and broadcasts its manifest;
 each rank then asks a `FetchRange` for the global ranges its own shards need, and the reader
