@@ -498,7 +498,7 @@ METRICS: dict[str, str] = {
     "from the durable checkpoint instead (0: none lost)",
     METRIC_SNAPSHOT_SECONDS: "seconds the last in-memory snapshot took its thread (serialize, write, "
     "buddy copy)",
-    METRIC_SNAPSHOT_BYTES: "bytes of one snapshot this rank holds in host memory, label `copy` = own "
+    METRIC_SNAPSHOT_BYTES: "bytes of one snapshot this rank keeps in host memory, label `copy` = own "
     "or buddy",
     METRIC_SNAPSHOT_STEP: "the newest step whose snapshot (own file and buddy copy) this rank completed",
     METRIC_TOKENS_PER_SECOND: "tokens per second over the recent steps",
