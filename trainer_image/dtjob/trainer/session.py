@@ -214,7 +214,7 @@ class ElasticSession:
             else None
         )
         self.background = (
-            BackgroundCheckpoints(self.checkpointer, self.snapshots)
+            BackgroundCheckpoints(self.checkpointer)
             if self.checkpointer is not None and self.snapshots is not None and checkpoint_in_background
             else None
         )
@@ -481,7 +481,10 @@ class ElasticSession:
         if self.checkpointer is None or self.state is None:
             return None
         if self.background is not None and self.snapshots is not None:
-            self.snapshots.wait()  # every rank's thread done: every rank collects the same outcomes
+            # Every rank's threads done (the snapshot's starts the checkpoint's): every rank
+            # collects the same outcomes.
+            self.snapshots.wait()
+            self.background.wait()
             for outcome in self.background.collect():
                 self._background_saved(outcome)
         if step == self.last_saved_step:
@@ -495,12 +498,19 @@ class ElasticSession:
         """Take the snapshot of `step`; `checkpoint`: write it as the durable checkpoint of `step`
         too, on the snapshot's thread (checkpoint_background.py)."""
         assert self.snapshots is not None
+        bg = self.background
         if self.state is None:
             return
-        then = self.background.job(step) if checkpoint and self.background is not None else None
-        if self.snapshots.take(step, self.state, self._meta(step), then=then) and self.background is not None:
-            # No rank skipped it: every rank's earlier writes are done, their outcomes everywhere.
-            for outcome in self.background.collect(before=step):
+        if checkpoint and bg is not None:
+            self.snapshots.wait()  # its snapshot's thread may yet start the previous checkpoint's write
+            bg.wait()  # one checkpoint write at a time
+        then = bg.job(step) if checkpoint and bg is not None else None
+        busy = bg is not None and bg.busy()
+        taken = self.snapshots.take(step, self.state, self._meta(step), then=then, busy_elsewhere=busy)
+        if taken and bg is not None and self.snapshots.idle_everywhere:
+            # No snapshot nor checkpoint thread busy on any rank: the outcomes of the writes of
+            # earlier steps are on every rank.
+            for outcome in bg.collect(before=step):
                 self._background_saved(outcome)
 
     def _background_saved(self, outcome: Outcome) -> None:
@@ -605,6 +615,8 @@ class ElasticSession:
             # Its exchange must not outlive the process group. After a failure it may wait for a
             # lost peer (up to collective_timeout, 60 s): the process leaves without it instead.
             self.snapshots.wait()
+            if self.background is not None:
+                self.background.wait()
         if self.fence is not None:
             self.fence.close()
         if sys.excepthook == self._excepthook:

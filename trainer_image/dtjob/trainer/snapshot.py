@@ -63,7 +63,9 @@ INFO_SUFFIX = ".json"
 _CGROUP = Path("/sys/fs/cgroup")
 # Host bytes per byte of a rank's state (own O, buddy B): the newest complete snapshot and the one
 # being written, each own + buddy file on the tmpfs (2 (O + B)); while writing, the serialized own
-# bytes and the received buddy bytes (O + B); the host buffers the step copies into (O).
+# bytes and the received buddy bytes (O + B); the host buffers the step copies into (O). Not
+# counted: the serialized own bytes a durable checkpoint being written from a snapshot holds (O
+# more, while it is written; checkpoint_background.py).
 FILES_HELD = 2
 IN_FLIGHT = 1
 
@@ -199,6 +201,7 @@ class Snapshots:
         self.error: str | None = None
         self.write_seconds: list[float] = []  # per snapshot: serialize, write, exchange (the thread)
         self.own_bytes = 0
+        self.idle_everywhere = True  # see `take`
         self._thread: threading.Thread | None = None
         self._host: dict[str, torch.Tensor] = {}
         self._checked = False
@@ -213,16 +216,20 @@ class Snapshots:
         state: TrainState,
         meta: Mapping[str, Any],
         then: Then | None = None,
+        busy_elsewhere: bool = False,
     ) -> bool:
         """Snapshot `step` (every rank calls it after the same steps); False when skipped because
         a rank still writes the previous one. Returns once the state is copied to the host.
         `then` (every rank alike): run on the thread after this snapshot; such a snapshot is never
-        skipped: every rank first waits for the one in flight."""
+        skipped: every rank first waits for the one in flight. `busy_elsewhere`: this rank's other
+        background work (a checkpoint being written) is not done; `idle_everywhere` then says
+        whether every rank's is, agreed in the same all-reduce."""
         if then is not None:
             self.wait()
         busy = self._thread is not None and self._thread.is_alive()
-        flags = torch.tensor([int(busy), -self.completed], dtype=torch.int64)
+        flags = torch.tensor([int(busy), -self.completed, int(busy_elsewhere)], dtype=torch.int64)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=control_group())
+        self.idle_everywhere = not flags[2]
         if flags[0]:
             self.skipped += 1
             return False
