@@ -120,6 +120,17 @@ METRIC_FIRST_STEP_TIME = "dtjob_trainer_first_step_timestamp_seconds"
 # the new gang has written one (a scrape can come 8 s late, after it).
 METRIC_RESUMED_STEP = "dtjob_trainer_resumed_step"
 METRIC_RESUMED_STATE_TIME = "dtjob_trainer_resumed_state_timestamp_seconds"
+# A restart that wanted a newer step from memory than it got: the newest step the gang's in-memory
+# snapshots held but could not restore (both copies of a shard lost with two pods, or damaged), so
+# it resumed from the durable checkpoint of METRIC_RESUMED_STEP instead (0: nothing was lost). The
+# operator turns it into the event RecoveredFromCheckpoint.
+METRIC_RESUME_LOST_STEP = "dtjob_trainer_resume_lost_step"
+# In-memory snapshots, per rank (snapshot.py): the seconds the last one took its thread (serialize,
+# write, buddy exchange), the bytes held in host memory (label `copy`: own, buddy) and the newest
+# step this rank holds complete.
+METRIC_SNAPSHOT_SECONDS = "dtjob_trainer_snapshot_seconds"
+METRIC_SNAPSHOT_BYTES = "dtjob_trainer_snapshot_bytes"
+METRIC_SNAPSHOT_STEP = "dtjob_trainer_snapshot_step"
 METRIC_TOKENS_PER_SECOND = "dtjob_trainer_tokens_per_second"
 METRIC_MFU = "dtjob_trainer_model_flops_utilization"
 
@@ -500,6 +511,13 @@ METRICS: dict[str, str] = {
     METRIC_FIRST_STEP_TIME: "when this process completed its first step (unix seconds; 0 before it)",
     METRIC_RESUMED_STEP: "the step this process resumed from (0: from the start)",
     METRIC_RESUMED_STATE_TIME: "when the state it resumed from was written (unix seconds; 0: none)",
+    METRIC_RESUME_LOST_STEP: "the newest in-memory snapshot step a resume could not restore, so it resumed "
+    "from the durable checkpoint instead (0: none lost)",
+    METRIC_SNAPSHOT_SECONDS: "seconds the last in-memory snapshot took its thread (serialize, write, "
+    "buddy copy)",
+    METRIC_SNAPSHOT_BYTES: "bytes of one snapshot this rank keeps in host memory, label `copy` = own "
+    "or buddy",
+    METRIC_SNAPSHOT_STEP: "the newest step whose snapshot (own file and buddy copy) this rank completed",
     METRIC_TOKENS_PER_SECOND: "tokens per second over the recent steps",
     METRIC_MFU: "model FLOPs utilization, 0..1 (absent: the device's peak is unknown)",
 }

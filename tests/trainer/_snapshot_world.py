@@ -11,6 +11,10 @@ checkpoint, nothing the session does on the way out; what the pod's agent sees w
 the trainers in place.
 case["also_save"] = a directory: at step k, before dying, write a durable checkpoint of step k
 there too (the yardstick of a resume "from a checkpoint at that step").
+case["hold_checkpoint"] = k: the background write of the checkpoint of step k (its rank file)
+blocks until step k + 2 is done, and the loop does not wait for snapshots: result["published"]
+says whether step k's checkpoint directory existed then (it must not: the steps ran meanwhile).
+Each rank's result also has its snapshot and resume gauges ("gauges", read at the end).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -85,6 +90,7 @@ def _train(rank: int, case: dict[str, Any], out: Path) -> dict[str, Any]:
     session.track(wrapped, optimizer, scheduler)
     session.resume()
     result: dict[str, Any] = {"start": session.start_step, "losses": {}, "lines": lines.lines}
+    held = _hold_checkpoint(case.get("hold_checkpoint"))
     per = GLOBAL_BATCH // session.world_size
     for step in session.steps(case.get("steps", STEPS)):
         if step - 1 == case.get("die_after"):  # step k is done: snapshot taken
@@ -97,6 +103,7 @@ def _train(rank: int, case: dict[str, Any], out: Path) -> dict[str, Any]:
                     session._meta(step - 1),  # type: ignore[arg-type]
                 )
             result["snapshots"] = {"taken": session.snapshots.taken, "skipped": session.snapshots.skipped}
+            result["gauges"] = _gauges(session)
             torch.save(result, out / f"rank{rank}.pt")
             logging.shutdown()
             os._exit(0)
@@ -108,14 +115,51 @@ def _train(rank: int, case: dict[str, Any], out: Path) -> dict[str, Any]:
         scheduler.step()
         optimizer.zero_grad()
         result["losses"][step] = session.report(loss)
-        if session.snapshots is not None:
+        if held is not None and step == case["hold_checkpoint"] + 2:
+            result["published"] = (Path(case["checkpoint_dir"]) / f"step-{step - 2:08d}").exists()
+            held.set()
+        if session.snapshots is not None and held is None:
             # These steps take a millisecond: wait for the previous snapshot as a step longer than
             # its write would, so none is skipped and the one of step k exists when they die.
             session.snapshots.wait()
     if session.snapshots is not None:
         result["snapshots"] = {"taken": session.snapshots.taken, "skipped": session.snapshots.skipped}
     session.close()
+    result["gauges"] = _gauges(session)
     return result
+
+
+_GAUGES: dict[str, tuple[str, dict[str, str]]] = {
+    "resume_lost_step": ("dtjob_trainer_resume_lost_step", {}),
+    "resumed_step": ("dtjob_trainer_resumed_step", {}),
+    "last_checkpoint_step": ("dtjob_trainer_last_checkpoint_step", {}),
+    "snapshot_step": ("dtjob_trainer_snapshot_step", {}),
+    "snapshot_seconds": ("dtjob_trainer_snapshot_seconds", {}),
+    "own_bytes": ("dtjob_trainer_snapshot_bytes", {"copy": "own"}),
+    "buddy_bytes": ("dtjob_trainer_snapshot_bytes", {"copy": "buddy"}),
+}
+
+
+def _gauges(session: Any) -> dict[str, float | None]:
+    return {key: session.metrics.registry.get_sample_value(n, labels) for key, (n, labels) in _GAUGES.items()}
+
+
+def _hold_checkpoint(step: int | None) -> threading.Event | None:
+    """Block the background write of the checkpoint of `step` until the returned event is set."""
+    if step is None:
+        return None
+    from dtjob.trainer import checkpoint_background
+
+    release = threading.Event()
+    write = checkpoint_background.write_rank_bytes
+
+    def held(directory: Path, name: str, *rest: Any) -> Any:
+        if directory.name.startswith(f".staging-step-{step:08d}-"):
+            release.wait()
+        return write(directory, name, *rest)
+
+    checkpoint_background.write_rank_bytes = held  # type: ignore[assignment]
+    return release
 
 
 def _worker(rank: int, world: int, pod_size: int, port: int, case: dict[str, Any], out_dir: str) -> None:

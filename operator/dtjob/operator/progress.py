@@ -49,6 +49,9 @@ class TrainerProgress:
     # The step rank 0's process resumed from (0: the start) and when that state was written.
     resumed_step: int | None = None
     resumed_state_time: float | None = None
+    # The newest step the gang's in-memory snapshots held but could not restore when rank 0's
+    # process resumed from its durable checkpoint instead (None or 0: nothing lost).
+    resume_lost_step: int | None = None
     # The run's total steps, and the global tokens/s and MFU of rank 0's last step (#43).
     total_steps: int | None = None
     tokens_per_second: float | None = None

@@ -35,6 +35,8 @@ _BY_REASON = {
     "ScaleDown": PLANNED_RESCALE,
     "Unschedulable": PLANNED_RESCALE,  # shrinking to what fits
 }
+# The event of a recovery that could not use the gang's memory (from_checkpoint).
+RECOVERED_FROM_CHECKPOINT = "RecoveredFromCheckpoint"
 _EXITED = re.compile(r"exited (\d+)")
 
 
@@ -108,6 +110,20 @@ def open_recovery(
         }
     )
     return out[-KEPT:], closed
+
+
+def from_checkpoint(wanted: int | None, resumed: int | None) -> str | None:
+    """The message of the event RECOVERED_FROM_CHECKPOINT when a gang resumed from its durable
+    checkpoint of step `resumed` though memory held the newer step `wanted` (both copies of a
+    shard lost, two pods at once, or damaged); None when it lost nothing."""
+    if not wanted or resumed is None or wanted <= resumed:
+        return None
+    steps = f"step {wanted} is" if wanted - resumed == 1 else f"steps {resumed + 1}-{wanted} are"
+    return (
+        f"resumed from the durable checkpoint of step {resumed}, not from memory: the in-memory "
+        f"snapshot of step {wanted} lost a shard on every pod that held it (or was damaged; the "
+        f"trainers' logs say which), so {steps} computed again"
+    )
 
 
 def summary(record: Mapping[str, Any]) -> str:

@@ -69,6 +69,7 @@ TRAINER_GAUGES = {
     contract.METRIC_FIRST_STEP_TIME: "first_step_time",
     contract.METRIC_RESUMED_STEP: "resumed_step",
     contract.METRIC_RESUMED_STATE_TIME: "resumed_state_time",
+    contract.METRIC_RESUME_LOST_STEP: "resume_lost_step",
 }
 
 
@@ -115,6 +116,7 @@ def parse_trainer_metrics(text: str) -> TrainerProgress:
         first_step_time=values.get("first_step_time") or None,
         resumed_step=int(values["resumed_step"]) if "resumed_step" in values else None,
         resumed_state_time=values.get("resumed_state_time") or None,
+        resume_lost_step=int(values["resume_lost_step"]) if values.get("resume_lost_step") else None,
         total_steps=int(values["total_steps"]) if "total_steps" in values else None,
         tokens_per_second=values.get("tokens_per_second"),
         mfu=values.get("mfu"),

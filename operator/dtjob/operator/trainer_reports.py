@@ -1,5 +1,6 @@
 """What rank 0 reports, onto the job's status: its step and last checkpoint, the checkpoint writes
-its volume refused (condition CheckpointWriteFailing), its gang's restarts in place, and whether
+its volume refused (condition CheckpointWriteFailing), its gang's restarts in place, a recovery
+that fell back from memory to the durable checkpoint (event RecoveredFromCheckpoint), and whether
 it publishes metrics at all (condition MetricsAvailable, see dtjob.operator.progress)."""
 
 from __future__ import annotations
@@ -7,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 
-from dtjob.operator import accounting
+from dtjob.operator import accounting, recoveries
 from dtjob.operator.observed import Worker
 from dtjob.operator.progress import METRICS_AVAILABLE, metrics_availability
 from dtjob.operator.reconcile_pass import RUNNING, ReconcilePass
@@ -38,7 +39,12 @@ def read_metrics(p: ReconcilePass) -> None:
         if progress.restart_failed_at is not None:  # never after now: a pod's clock may run ahead
             failed_at = min(datetime.fromtimestamp(progress.restart_failed_at, UTC), p.now)
         count_in_place(p, progress.in_place_restarts, progress.restart_cause, failed_at=failed_at)
-    recovered(p, accounting.sample(p.status, progress, p.now))
+    closed = accounting.sample(p.status, progress, p.now)
+    recovered(p, closed)
+    if closed is not None:  # once per recovery: when its new gang is seen stepping
+        fallback = recoveries.from_checkpoint(progress.resume_lost_step, progress.resumed_step)
+        if fallback is not None:
+            p.event(recoveries.RECOVERED_FROM_CHECKPOINT, fallback, warning=True)
 
 
 def _track_checkpoint_writes(p: ReconcilePass, failures: int) -> None:

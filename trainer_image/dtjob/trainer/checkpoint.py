@@ -34,7 +34,9 @@ indexes and checksums, then rank 0 writes the manifest, fsyncs, and renames the 
 to `step-<step>/`; only after that rename does any rank return. Then rank 0 keeps the newest
 `--keep-checkpoints` step directories that have a manifest and deletes every other one. A write
 that fails on any rank (a full volume: ENOSPC) fails on every rank, and rank 0 removes its staging
-directory: the newest published checkpoint stays the newest.
+directory: the newest published checkpoint stays the newest. With in-memory snapshots on, a
+periodic checkpoint runs this protocol on the snapshot's thread, from the snapshot's bytes
+(`Checkpointer.write`, checkpoint_background.py), while the next steps train.
 
 Loading at any world size: rank 0 picks the newest valid checkpoint and broadcasts its manifest;
 each rank then asks a `FetchRange` for the global ranges its own shards need, and the reader
@@ -202,6 +204,15 @@ def write_rank_file(
     path = directory / rank_file_name(rank)
     _write_durably(path, lambda p: _save_to(payload, p))
     return RankFileInfo(rank_file_name(rank), sha256_file(path), path.stat().st_size, rank_index(shards))
+
+
+def write_rank_bytes(
+    directory: Path, name: str, data: bytes | memoryview, sha256: str, index: Mapping[str, Any]
+) -> RankFileInfo:
+    """Write a rank file already serialized (a snapshot's bytes, checkpoint_background.py)."""
+    path = directory / name
+    _write_durably(path, lambda p: p.write_bytes(data))
+    return RankFileInfo(name, sha256, len(data), dict(index))
 
 
 def rank_payload(
@@ -457,17 +468,36 @@ class Checkpointer:
     def save(self, step: int, state: TrainState, meta: Mapping[str, Any]) -> Path:
         """Write the checkpoint of `step`; returns its directory once it is published. A write that
         fails on any rank raises `CheckpointWriteError` on every rank, its staging directory gone."""
-        staging = self.root / f"{_STAGING_PREFIX}{step_dir_name(step)}-g{self.generation}"
         shared = state.global_state() if self.rank == 0 else None
+        return self.write(
+            step,
+            lambda staging: write_rank_file(staging, self.rank, state.state_shards(), rng_state(), shared),
+            {**meta, "extra_state": state.extra_state()},
+        )
+
+    def write(
+        self,
+        step: int,
+        write_file: Callable[[Path], RankFileInfo | str],
+        meta: Mapping[str, Any],
+        group: dist.ProcessGroup | None = None,
+    ) -> Path:
+        """The protocol of `save` around this rank's `write_file(staging)`, which writes the rank's
+        file into the staging directory (or returns why it could not: told to every rank). `meta`
+        holds the manifest's extra_state. `group`: the gloo group of the protocol's messages (default
+        the Checkpointer's): the background checkpoints' thread (checkpoint_background.py) passes
+        its own, which the training's collectives never use."""
+        group = group if group is not None else self.group
+        staging = self.root / f"{_STAGING_PREFIX}{step_dir_name(step)}-g{self.generation}"
         info: RankFileInfo | str
         try:
             staging.mkdir(parents=True, exist_ok=True)
-            info = write_rank_file(staging, self.rank, state.state_shards(), rng_state(), shared)
+            info = write_file(staging)
         except OSError as err:  # told to every rank below: none may wait for this one's file
             info = f"rank {self.rank}: {type(err).__name__}: {err}"
         infos: list[Any] = [None] * self.world_size
         # Doubles as the barrier: every rank's file is on disk (or its write failed).
-        dist.all_gather_object(infos, info, group=self.group)
+        dist.all_gather_object(infos, info, group=group)
         final = self.root / step_dir_name(step)
         failed = [i for i in infos if isinstance(i, str)]
         outcome: list[Any] = [None]
@@ -481,7 +511,6 @@ class Checkpointer:
                     "world_size": self.world_size,
                     "generation": self.generation,
                     "time": time.time(),
-                    "extra_state": state.extra_state(),
                 }
                 for each in infos:
                     written = staging / each.name
@@ -502,7 +531,7 @@ class Checkpointer:
                 outcome[0] = (f"rank 0: {type(err).__name__}: {err}", isinstance(err, OSError))
         if self.rank == 0 and outcome[0] is not None:
             shutil.rmtree(staging, ignore_errors=True)  # a full volume gets the attempt's space back
-        dist.broadcast_object_list(outcome, src=0, group=self.group)
+        dist.broadcast_object_list(outcome, src=0, group=group)
         if outcome[0] is not None:
             why, volume = outcome[0]
             raise CheckpointWriteError(f"writing checkpoint {final} failed: {why}", volume)

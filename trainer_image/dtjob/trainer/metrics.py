@@ -66,6 +66,25 @@ class TrainerMetrics:
         self.resumed_state_time = Gauge(
             contract.METRIC_RESUMED_STATE_TIME, "when the state it resumed from was written", registry=r
         )
+        self.resume_lost_step = Gauge(
+            contract.METRIC_RESUME_LOST_STEP,
+            "the newest snapshot step a resume could not restore from memory (0: none lost)",
+            registry=r,
+        )
+        self.snapshot_seconds = Gauge(
+            contract.METRIC_SNAPSHOT_SECONDS,
+            "seconds the last snapshot took its thread (serialize, write, buddy copy)",
+            registry=r,
+        )
+        self.snapshot_bytes = Gauge(
+            contract.METRIC_SNAPSHOT_BYTES,
+            "bytes of one snapshot held in host memory: this rank's own, and the buddy copy it keeps",
+            ("copy",),
+            registry=r,
+        )
+        self.snapshot_step = Gauge(
+            contract.METRIC_SNAPSHOT_STEP, "the newest step whose snapshot this rank completed", registry=r
+        )
         self.first_step_time = Gauge(
             contract.METRIC_FIRST_STEP_TIME, "when this process completed its first step", registry=r
         )

@@ -42,6 +42,7 @@ from torch import nn
 from dtjob import contract
 from dtjob.trainer import elastic, fence, heartbeat
 from dtjob.trainer.checkpoint import Checkpointer, CheckpointWriteError, Loaded
+from dtjob.trainer.checkpoint_background import BackgroundCheckpoints, Outcome
 from dtjob.trainer.collectives import abort
 from dtjob.trainer.collectives.abort import GangAborted
 from dtjob.trainer.comm_metrics import instrument_comm
@@ -104,6 +105,9 @@ class ElasticSession:
         DTJOB_SNAPSHOT_DIR, default /dev/shm/dtjob-snapshots; DTJOB_SNAPSHOT_EVERY, default 1, 0:
         off; DTJOB_SNAPSHOT_MEMORY_LIMIT, bytes per pod, 0: the cgroup's). Only with a
         checkpoint_dir: a restart resumes from the newest snapshot at or after the newest checkpoint.
+    checkpoint_in_background: with snapshots on, a periodic checkpoint is written from the step's
+        snapshot on its thread while training goes on (checkpoint_background.py); False: the step
+        waits for the write, as without snapshots (a stop's and the last step's always wait).
     """
 
     def __init__(
@@ -124,6 +128,7 @@ class ElasticSession:
         snapshot_dir: str | None = None,
         snapshot_every: int | None = None,
         snapshot_memory_limit: int | None = None,
+        checkpoint_in_background: bool = True,
     ) -> None:
         self.gang = gang or elastic.Gang.from_env(
             collective_timeout=collective_timeout, rendezvous_timeout=rendezvous_timeout
@@ -203,8 +208,14 @@ class ElasticSession:
                 g.local_world_size,
                 every,
                 snapshot_memory_limit if snapshot_memory_limit is not None else env.snapshot_memory_limit,
+                self.metrics,
             )
             if self.checkpoint_dir is not None and every > 0
+            else None
+        )
+        self.background = (
+            BackgroundCheckpoints(self.checkpointer)
+            if self.checkpointer is not None and self.snapshots is not None and checkpoint_in_background
             else None
         )
         self._seed_everything(seed)
@@ -308,15 +319,18 @@ class ElasticSession:
             return 0
         loaded: Loaded | None = None
         lost: list[str] = []
+        wanted = 0  # the newest step in the gang's memory
         if self.snapshots is not None:
-            loaded, lost = recover(self.snapshots, self.state, self.checkpointer.root, check)
+            loaded, lost, wanted = recover(self.snapshots, self.state, self.checkpointer.root, check)
         in_memory = loaded is not None
         if loaded is None:
             loaded = self.checkpointer.load_latest(self.state, check)
+        got = loaded.step if loaded is not None else 0
+        if not in_memory and wanted > got:
+            # The operator's event RecoveredFromCheckpoint: memory held a newer step than this one.
+            self.metrics.resume_lost_step.set(wanted)
         if lost and not in_memory and self.rank == 0:
-            durable = (
-                f"the checkpoint of step {loaded.step}" if loaded is not None else "step 0 (no checkpoint)"
-            )
+            durable = f"the checkpoint of step {got}" if loaded is not None else "step 0 (no checkpoint)"
             log.warning("fell back to %s: %s", durable, "; ".join(lost))
         if loaded is None:
             log.info("no checkpoint in %s; starting at step 1", self.checkpointer.root)
@@ -380,14 +394,16 @@ class ElasticSession:
             yield step
             stopping = elastic.agree(self.stop.requested)
             due = self.checkpoint_every > 0 and step % self.checkpoint_every == 0
-            if stopping or step == total:
+            final = stopping or step == total
+            background = due and not final and self.background is not None
+            if final:
                 self.save(step)
-            elif due:
+            elif due and not background:
                 self._save_or_go_on(step)
             # A step just checkpointed is snapshotted too: a checkpoint file damaged on its volume
             # then costs nothing (recovery prefers memory at the checkpoint's step).
-            if self.snapshots is not None and self.snapshots.due(step) and self.state is not None:
-                self.snapshots.take(step, self.state, self._meta(step))
+            if self.snapshots is not None and (self.snapshots.due(step) or background):
+                self._snapshot(step, checkpoint=background)
             if stopping:
                 if self.checkpointer is None:
                     log.warning("stopping at step %d without a checkpoint: no checkpoint_dir", step)
@@ -460,14 +476,53 @@ class ElasticSession:
 
     # -- checkpoints -------------------------------------------------------------------------------
     def save(self, step: int) -> Path | None:
-        """Write the checkpoint of `step` now (every rank calls it); None without checkpoint_dir."""
-        if self.checkpointer is None or self.state is None or step == self.last_saved_step:
+        """Write the checkpoint of `step` now (every rank calls it); None without checkpoint_dir.
+        A checkpoint being written in the background is published first (one write at a time)."""
+        if self.checkpointer is None or self.state is None:
+            return None
+        if self.background is not None and self.snapshots is not None:
+            # Every rank's threads done (the snapshot's starts the checkpoint's): every rank
+            # collects the same outcomes.
+            self.snapshots.wait()
+            self.background.wait()
+            for outcome in self.background.collect():
+                self._background_saved(outcome)
+        if step == self.last_saved_step:
             return None
         started = time.perf_counter()
         path = self.checkpointer.save(step, self.state, self._meta(step))
-        seconds = time.perf_counter() - started
+        self._saved(step, path, time.perf_counter() - started, time.time())
+        return path
+
+    def _snapshot(self, step: int, checkpoint: bool) -> None:
+        """Take the snapshot of `step`; `checkpoint`: write it as the durable checkpoint of `step`
+        too, on the snapshot's thread (checkpoint_background.py)."""
+        assert self.snapshots is not None
+        bg = self.background
+        if self.state is None:
+            return
+        if checkpoint and bg is not None:
+            self.snapshots.wait()  # its snapshot's thread may yet start the previous checkpoint's write
+            bg.wait()  # one checkpoint write at a time
+        then = bg.job(step) if checkpoint and bg is not None else None
+        busy = bg is not None and bg.busy()
+        taken = self.snapshots.take(step, self.state, self._meta(step), then=then, busy_elsewhere=busy)
+        if taken and bg is not None and self.snapshots.idle_everywhere:
+            # No snapshot nor checkpoint thread busy on any rank: the outcomes of the writes of
+            # earlier steps are on every rank.
+            for outcome in bg.collect(before=step):
+                self._background_saved(outcome)
+
+    def _background_saved(self, outcome: Outcome) -> None:
+        if outcome.error is None:
+            assert outcome.path is not None
+            self._saved(outcome.step, outcome.path, outcome.seconds, outcome.time)
+        else:
+            self._save_failed(outcome.step, outcome.error)
+
+    def _saved(self, step: int, path: Path, seconds: float, at: float) -> None:
         self.last_saved_step = step
-        self.last_saved_time = time.time()
+        self.last_saved_time = at
         m = self.metrics
         self._failed_saves = 0
         m.checkpoint_write_failures.set(0)
@@ -476,7 +531,6 @@ class ElasticSession:
         m.last_checkpoint_timestamp.set(self.last_saved_time)
         m.checkpoints_saved.inc()
         log.info("checkpoint %s written in %.2fs", path, seconds)
-        return path
 
     def _meta(self, step: int) -> dict[str, Any]:
         """What a checkpoint (or snapshot) of `step` records beside the state."""
@@ -496,19 +550,22 @@ class ElasticSession:
         try:
             self.save(step)
         except CheckpointWriteError as err:
-            if not err.volume:
-                raise
-            self._failed_saves += 1
-            self.metrics.checkpoint_write_failures.set(self._failed_saves)
-            newest = f"step {self.last_saved_step}" if self.last_saved_step > 0 else "none yet"
-            log.warning(
-                "checkpoint of step %d not written (%d in a row), training goes on (newest checkpoint: "
-                "%s): %s",
-                step,
-                self._failed_saves,
-                newest,
-                err,
-            )
+            self._save_failed(step, err)
+
+    def _save_failed(self, step: int, err: CheckpointWriteError) -> None:
+        """A periodic checkpoint not written: see `_save_or_go_on`."""
+        if not err.volume:
+            raise err
+        self._failed_saves += 1
+        self.metrics.checkpoint_write_failures.set(self._failed_saves)
+        newest = f"step {self.last_saved_step}" if self.last_saved_step > 0 else "none yet"
+        log.warning(
+            "checkpoint of step %d not written (%d in a row), training goes on (newest checkpoint: %s): %s",
+            step,
+            self._failed_saves,
+            newest,
+            err,
+        )
 
     def failed(self, err: BaseException) -> None:
         """This rank is about to end with `err`. Its own failure: tell the gang at once (its dtjob
@@ -558,6 +615,8 @@ class ElasticSession:
             # Its exchange must not outlive the process group. After a failure it may wait for a
             # lost peer (up to collective_timeout, 60 s): the process leaves without it instead.
             self.snapshots.wait()
+            if self.background is not None:
+                self.background.wait()
         if self.fence is not None:
             self.fence.close()
         if sys.excepthook == self._excepthook:

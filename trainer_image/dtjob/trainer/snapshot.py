@@ -37,7 +37,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,6 +53,7 @@ from dtjob.trainer.checkpoint import (
     rng_state,
     step_dir_name,
 )
+from dtjob.trainer.metrics import TrainerMetrics
 from dtjob.trainer.parallel.comm import control_group, new_group
 from dtjob.trainer.train_state import TrainState
 
@@ -62,7 +63,9 @@ INFO_SUFFIX = ".json"
 _CGROUP = Path("/sys/fs/cgroup")
 # Host bytes per byte of a rank's state (own O, buddy B): the newest complete snapshot and the one
 # being written, each own + buddy file on the tmpfs (2 (O + B)); while writing, the serialized own
-# bytes and the received buddy bytes (O + B); the host buffers the step copies into (O).
+# bytes and the received buddy bytes (O + B); the host buffers the step copies into (O). Not
+# counted: the serialized own bytes a durable checkpoint being written from a snapshot holds (O
+# more, while it is written; checkpoint_background.py).
 FILES_HELD = 2
 IN_FLIGHT = 1
 
@@ -109,6 +112,13 @@ class _Pending:
     global_state: dict[str, Any] | None
     meta: dict[str, Any]
     copied: torch.cuda.Event | None
+    then: Then | None
+
+
+# Runs on the snapshot's thread once the snapshot is written and exchanged (a durable checkpoint
+# written from its bytes, checkpoint_background.py): the serialized rank file and its info, or
+# None and why this rank has none.
+Then = Callable[[memoryview | None, Mapping[str, Any] | str], None]
 
 
 def store(root: Path, step: int, owner: int, data: bytes | memoryview, info: Mapping[str, Any]) -> None:
@@ -154,7 +164,7 @@ class Snapshots:
     root: the pod's snapshot directory (DTJOB_SNAPSHOT_DIR); identity: the run's (job uid, else
     its checkpoint directory); pod_size: processes per pod (LOCAL_WORLD_SIZE); every: steps
     between snapshots (> 0); memory_limit: host bytes the pod's snapshots may take (0: the
-    cgroup's limit)."""
+    cgroup's limit); metrics: where to publish each completed snapshot's seconds, bytes and step."""
 
     def __init__(
         self,
@@ -165,6 +175,7 @@ class Snapshots:
         pod_size: int,
         every: int,
         memory_limit: int = 0,
+        metrics: TrainerMetrics | None = None,
     ) -> None:
         if every < 1:
             raise ValueError(f"snapshot every must be >= 1 (off: construct no Snapshots), got {every}")
@@ -174,6 +185,7 @@ class Snapshots:
         self.pod_size = pod_size
         self.every = every
         self.memory_limit = memory_limit
+        self.metrics = metrics
         # The same local rank of the next pod; none with one pod (its loss is the job's).
         self.buddy = (rank + pod_size) % world_size if world_size > pod_size else None
         self.owner = (rank - pod_size) % world_size if world_size > pod_size else None
@@ -189,6 +201,7 @@ class Snapshots:
         self.error: str | None = None
         self.write_seconds: list[float] = []  # per snapshot: serialize, write, exchange (the thread)
         self.own_bytes = 0
+        self.idle_everywhere = True  # see `take`
         self._thread: threading.Thread | None = None
         self._host: dict[str, torch.Tensor] = {}
         self._checked = False
@@ -197,12 +210,26 @@ class Snapshots:
     def due(self, step: int) -> bool:
         return step % self.every == 0
 
-    def take(self, step: int, state: TrainState, meta: Mapping[str, Any]) -> bool:
+    def take(
+        self,
+        step: int,
+        state: TrainState,
+        meta: Mapping[str, Any],
+        then: Then | None = None,
+        busy_elsewhere: bool = False,
+    ) -> bool:
         """Snapshot `step` (every rank calls it after the same steps); False when skipped because
-        a rank still writes the previous one. Returns once the state is copied to the host."""
+        a rank still writes the previous one. Returns once the state is copied to the host.
+        `then` (every rank alike): run on the thread after this snapshot; such a snapshot is never
+        skipped: every rank first waits for the one in flight. `busy_elsewhere`: this rank's other
+        background work (a checkpoint being written) is not done; `idle_everywhere` then says
+        whether every rank's is, agreed in the same all-reduce."""
+        if then is not None:
+            self.wait()
         busy = self._thread is not None and self._thread.is_alive()
-        flags = torch.tensor([int(busy), -self.completed], dtype=torch.int64)
+        flags = torch.tensor([int(busy), -self.completed, int(busy_elsewhere)], dtype=torch.int64)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=control_group())
+        self.idle_everywhere = not flags[2]
         if flags[0]:
             self.skipped += 1
             return False
@@ -236,6 +263,7 @@ class Snapshots:
             global_state=copy.deepcopy(state.global_state()) if self.rank == 0 else None,
             meta={**meta, "step": step, "world_size": self.world_size, "extra_state": state.extra_state()},
             copied=copied,
+            then=then,
         )
         self.taken += 1
         self._thread = threading.Thread(
@@ -246,6 +274,8 @@ class Snapshots:
 
     def _write(self, p: _Pending) -> None:
         started = time.perf_counter()
+        data: memoryview | None = None
+        info: dict[str, Any] | str = "no snapshot"
         try:
             if p.copied is not None:
                 p.copied.synchronize()
@@ -260,14 +290,26 @@ class Snapshots:
                 "meta": p.meta,
             }
             store(self.root, p.step, self.rank, data, info)
+            theirs = 0
             if self.buddy is not None and self.owner is not None:
-                theirs, their_info = self._exchange(data, info)
-                store(self.root, p.step, self.owner, theirs, their_info)
+                their_data, their_info = self._exchange(data, info)
+                store(self.root, p.step, self.owner, their_data, their_info)
+                theirs = len(their_data)
             self.completed = p.step
-            self.write_seconds.append(time.perf_counter() - started)
+            seconds = time.perf_counter() - started
+            self.write_seconds.append(seconds)
+            if self.metrics is not None:
+                self.metrics.snapshot_seconds.set(seconds)
+                self.metrics.snapshot_bytes.labels("own").set(len(data))
+                self.metrics.snapshot_bytes.labels("buddy").set(theirs)
+                self.metrics.snapshot_step.set(p.step)
         except Exception as err:  # the gang is failing (a peer gone): recovery uses older steps
             self.error = f"{type(err).__name__}: {err}"
             log.warning("snapshot of step %d not completed: %s", p.step, self.error)
+            info = f"rank {self.rank}: snapshot of step {p.step} not completed: {self.error}"
+            data = None
+        if p.then is not None:
+            p.then(data, info)
 
     def _exchange(self, data: memoryview, info: Mapping[str, Any]) -> tuple[memoryview, dict[str, Any]]:
         """Send our file to the buddy, receive the owner's: sizes, then the info, then the file."""

@@ -158,10 +158,11 @@ def recover(
     state: TrainState,
     durable_root: Path | None,
     check: Callable[[dict[str, Any]], None] | None = None,
-) -> tuple[Loaded | None, list[str]]:
+) -> tuple[Loaded | None, list[str], int]:
     """Load the newest complete snapshot, at or after the durable checkpoint, into `state` (every rank
-    calls it). Returns what was loaded (None: nothing newer in memory; load the durable checkpoint)
-    and, when newer snapshots were incomplete, what each lost."""
+    calls it). Returns what was loaded (None: nothing newer in memory; load the durable checkpoint),
+    when newer snapshots were incomplete what each lost, and the newest step any rank held (0:
+    none), the step a resume from the durable checkpoint wanted."""
     started = time.perf_counter()
     rank = snaps.rank
     mine = (inventory(snaps.root), newest_durable_step(durable_root) if rank == 0 else 0)
@@ -169,9 +170,10 @@ def recover(
     dist.all_gather_object(gathered, mine, group=control_group())
     durable = int(gathered[0][1])
     step, infos, holders, lost = choose([g[0] for g in gathered], durable)
+    newest = max((int(i["step"]) for g in gathered for i in g[0]), default=0)
     if step is None:
         prune(snaps.root, keep=set())  # older than the checkpoint, or incomplete: of no use
-        return None, lost
+        return None, lost, newest
     first = infos[0]
     files = [
         RankFileInfo(
@@ -202,7 +204,8 @@ def recover(
         damaged = sorted({name for names in bad for name in names})
         if damaged:
             prune(snaps.root, keep=set())
-            return None, [*lost, f"the snapshot of step {step} has damaged files {', '.join(damaged)}"]
+            why = f"the snapshot of step {step} has damaged files {', '.join(damaged)}"
+            return None, [*lost, why], newest
         shared: list[Any] = [None]
         if rank == source:
             path = staging / rank_file_name(0)
@@ -222,4 +225,4 @@ def recover(
     dist.barrier(group=control_group())
     # Keep the recovered step (the only copy until this gang's first snapshot is complete).
     prune(snaps.root, keep={step})
-    return Loaded(snaps.root / step_dir_name(step), manifest, time.perf_counter() - started), lost
+    return Loaded(snaps.root / step_dir_name(step), manifest, time.perf_counter() - started), lost, newest
