@@ -21,9 +21,8 @@ long each pod's change (Running, Failed) took to show in its job's status (ready
 it, or the restart's next generation; dtjob.devcluster.status_lag), p50/p99 over the changes.
 Beside them: the operator's reconcile latency p50/p99 (its own histogram,
 dtjob_operator_reconcile_duration_seconds, over the run), the latency of its writes
-(dtjob_operator_write_duration_seconds: status patches, a new job's first status patch apart,
-and pod creations and deletions, each from the pass handing it over to its answer), its peak RSS
-and CPU seconds,
+(dtjob_operator_write_duration_seconds: status patches, and pod creations and deletions, each from
+the pass handing it over to its answer), its peak RSS and CPU seconds,
 the requests of its Kubernetes client by verb (dtjob_operator_api_requests_total), every client's
 requests to the API server by verb and the API server's p99 request latency (its
 apiserver_request_total and apiserver_request_duration_seconds, without WATCH and CONNECT),
@@ -238,11 +237,7 @@ def measured(before: Snapshot, after: Snapshot) -> dict[str, Any]:
             histogram(after.operator, WRITES, only=("write", kinds)),
             histogram(before.operator, WRITES, only=("write", kinds)),
         )
-        for kind, kinds in (
-            ("status", {"status"}),
-            ("first_status", {"first_status"}),
-            ("pod", {"create_pod", "delete_pod"}),
-        )
+        for kind, kinds in (("status", {"status"}), ("pod", {"create_pod", "delete_pod"}))
     }
     return {
         "passes": reconcile.get(float("inf"), 0.0),
@@ -252,9 +247,6 @@ def measured(before: Snapshot, after: Snapshot) -> dict[str, Any]:
         # None for an operator without that histogram, whose reconcile histogram holds the waits.
         "write_status_p50_s": quantile(writes["status"], 0.5),
         "write_status_p99_s": quantile(writes["status"], 0.99),
-        # A new job's first status patch, with its wait for admission (an operator from before
-        # admission counts it in "status").
-        "write_first_status_p99_s": quantile(writes["first_status"], 0.99),
         "write_pod_p50_s": quantile(writes["pod"], 0.5),
         "write_pod_p99_s": quantile(writes["pod"], 0.99),
         "apiserver_p99_s": quantile(api, 0.99),

@@ -1,5 +1,5 @@
 """The writer's priorities (dtjob.operator.priority_pool): the most urgent write first, and new
-jobs admitted only as fast as the pod writes of the jobs already started go out."""
+jobs admitted (JobWriter.admit) only as fast as the pod writes queued go out."""
 
 from __future__ import annotations
 
@@ -90,26 +90,28 @@ def ignore(error: Exception | None) -> None:
     assert error is None
 
 
-def test_a_new_job_waits_while_pod_writes_queue_and_a_started_jobs_status_does_not() -> None:
+def test_new_jobs_are_admitted_in_order_as_the_pod_writes_queued_go_out() -> None:
     writes = Writes()
     writer = JobWriter(writes.head, writes.pod, writes.event, head_concurrency=2, pod_concurrency=1)
-    # A started job's 3 creations: one on the pool's only thread (held at the gate), 2 queued.
-    writer.submit(job("a", True), [create("a", r) for r in range(3)], ignore, ignore)
-    new = writer.submit(job("b", False), [PatchStatus({"phase": "Pending"}), create("b", 0)], ignore, ignore)
-    started = writer.submit(job("c", True), [PatchStatus({"phase": "Restarting"})], ignore, ignore)
-    assert started is not None and new is not None
+    turns: list[str] = []
+    assert writer.admit(("ml", "a"), lambda: turns.append("a")), "an idle pool admits at once"
+    # a's 3 creations: one on the pool's only thread (held at the gate), 2 queued for it.
+    writer.submit(job("a", False), [create("a", r) for r in range(3)], ignore, ignore)
+    assert writes.sending.wait(5)
+    for name in ("b", "c", "d"):
+        assert not writer.admit(("ml", name), lambda name=name: turns.append(name))
+    assert not writer.admit(("ml", "b"), lambda: turns.append("b again")), "b keeps its place"
+    writer.forget(("ml", "c"))  # deleted while it waited
+    started = writer.submit(job("e", True), [PatchStatus({"phase": "Restarting"})], ignore, ignore)
+    assert started is not None
     started.result(5)
-    time.sleep(0.2)
-    assert writes.log == ["status c"] and not new.done(), "b waits: 2 pod writes queued for 1 thread"
+    assert writes.log == ["status e"], "a started job's writes do not wait for admission"
     writes.gate.set()
-    new.result(5)
     deadline = time.monotonic() + 5
-    while len(writes.log) < 6 and time.monotonic() < deadline:
+    while len(turns) < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
-    # b was admitted once a's queue was down to one round of the pool: a's last creation and
-    # b's run in the order they came.
-    assert writes.log[:2] == ["status c", "CreatePod a-worker-0"]
-    assert writes.log.index("status b") > 1 and writes.log[-1] == "CreatePod b-worker-0"
+    assert turns == ["b", "d"], "once one queued write is left: b, then d (c was forgotten)"
+    assert writer.admit(("ml", "b"), lambda: None) and writer.admit(("ml", "d"), lambda: None)
 
 
 def test_deletions_go_before_creations_and_events_last() -> None:

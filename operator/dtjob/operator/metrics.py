@@ -52,9 +52,8 @@ class OperatorMetrics:
         # thread of its pool (a 1,024-worker gang's pod writes queue for seconds).
         self.write_seconds = Histogram(
             "dtjob_operator_write_duration_seconds",
-            "From a pass handing a write over to its answer, by write: status, first_status (a "
-            "new job's first, with its wait for admission), create_pod, delete_pod, event, other "
-            "(the job's Service, PodGroup, deletion)",
+            "From a pass handing a write over to its answer, by write: status, create_pod, "
+            "delete_pod, event, other (the job's Service, PodGroup, deletion)",
             ["write"],
             buckets=buckets,
             registry=r,

@@ -16,6 +16,10 @@ timer (`tick`, every `interval_seconds`) runs a pass only when one is due, a pol
 `resync_seconds` passed since the job's last pass. 200 running jobs no longer cost 40 passes a
 second that find nothing to do.
 
+A new job's pass (no phase yet) hands its writes over only once the writer admits the job
+(`JobWriter.admit`: while few pod writes wait for the API server, first come first served); until
+then the job keeps no status and its pass runs again when its turn comes.
+
 A pass reads the job from the operator's cache and its pods as the pod writes still in flight
 will leave them (dtjob.operator.expectations), decides, and hands the actions to the writer
 (dtjob.operator.writer) without waiting for their answers. The writer patches the status only
@@ -247,6 +251,10 @@ class JobPassRunner:
             decided = plan(observed, self.settings.reconciler)
             if decided.progress_only and self._progress_later(key):
                 return None
+            if not (job.get("status") or {}).get("phase") and not self.kube.writer.admit(
+                key, functools.partial(self._soon.submit, self.trigger, namespace, name)
+            ):
+                return None  # a new job, admitted as the API server takes the pod writes: see writer
             stage = "act"
             return self.kube.submit(
                 job,

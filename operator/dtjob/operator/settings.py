@@ -94,9 +94,9 @@ class ObserverSettings:
     """Status patches (with a pass's other writes to the job's own objects: its Service, PodGroup,
     its deletion) in flight at once, over all jobs; one per job at a time. A pool apart from the
     pod writes', so a job's status never waits behind another job's 1,024 pod creations, and the
-    jobs already started go first: a new job's first writes wait while more than
-    `api_concurrency` pod writes wait for a thread (dtjob.operator.writer). 500 jobs created at
-    once queued their first status patches for up to 29 s (p99) on 16 first-come threads; on 32
+    jobs already started go first; a new job is admitted while no more than `api_concurrency`
+    pod writes wait for a thread (dtjob.operator.writer). 500 jobs created at once queued their
+    first status patches for up to 29 s (p99) on 16 first-come threads; on 32
     they waited 10 s, but the API server answered everyone slower and the 500 jobs were all
     Running later (72 and 97 s against 57 s, one run each, bench/README.md)."""
 

@@ -18,14 +18,14 @@
   runner shows it on the job and retries with backoff).
 
 Both pools run the most urgent write first (dtjob.operator.priority_pool, the priorities below):
-a job already started before a new job, whose first writes wait while the pod pool has more
-writes waiting than threads; deletions, then creations, then events. A new job is admitted as
-the API server takes the pod writes of the jobs already started, instead of queueing its pods
-behind theirs.
+the writes of a job already started before a new job's first ones; deletions, then creations,
+then events. And a new job is admitted (`admit`: its first pass hands its writes over) only while
+no more pod writes wait for a thread than the pod pool has threads, in the order the new jobs
+asked: the operator takes on new jobs as fast as the API server takes the pod writes of those it
+started, instead of queueing every new job's pods in front of them.
 
 Every write's time from the pass handing it over to its answer goes into a histogram by kind
-(`dtjob_operator_write_duration_seconds`): the reconcile histogram no longer holds it. A new
-job's first status patch is `first_status`: its time holds its wait for admission.
+(`dtjob_operator_write_duration_seconds`): the reconcile histogram no longer holds it.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import functools
 import logging
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -57,12 +57,15 @@ log = logging.getLogger("dtjob.operator")
 Outcome = Callable[[Exception | None], None]
 
 # Priorities on the writer's pools (dtjob.operator.priority_pool; 0 first). The head pool: the
-# writes of a job already started before a new job's first ones, which wait while more pod writes
-# wait for a thread than the pod pool has threads (one more round of the pool: 32 writes, 0.2-0.4 s
-# at the 90-170 pod writes/s measured on KWOK). Without it, 500 new jobs' first status patches and
-# their 2,000 pod creations went ahead of the started jobs' status patches and restarts: pod
-# writes waited 29 s p99 from their hand-over, status patches 9.7 s (bench/README.md "Scale").
+# writes of a job already started before a new job's first ones. First come, first served, 500
+# new jobs' first status patches and their 2,000 pod creations went ahead of the started jobs'
+# status patches and restarts: pod writes waited 29 s p99 from their hand-over, status patches
+# 9.7 s (bench/README.md "Scale").
 STARTED, NEW = 0, 1
+# New jobs admitted (`admit`) whose pod writes are not in the pod pool yet, at most: the pool's
+# queue then stays within about its threads (32: 0.2-0.4 s at the 90-170 pod writes/s measured
+# on KWOK) and 8 jobs' writes (4-5 each at 500 jobs of 4 workers).
+GRANTS = 8
 # The pod pool: deletions first (a restart and the capacity it frees wait for them), then
 # creations, then events (no pass waits for one).
 DELETE, CREATE, EVENT = 0, 1, 2
@@ -183,12 +186,11 @@ class JobWriter:
         self._event = event
         self._observe = observe
         self.expectations = expectations if expectations is not None else Expectations()
-        self._heads = PriorityPool(
-            head_concurrency,
-            "job-write",
-            admits=lambda p: p == STARTED or self.pool.queued() <= pod_concurrency,
-        )
-        self.pool = PriorityPool(pod_concurrency, "pod-write", on_take=self._heads.poke)
+        self._heads = PriorityPool(head_concurrency, "job-write")
+        self.pool = PriorityPool(pod_concurrency, "pod-write", on_take=self._grant)
+        self._room = pod_concurrency  # pod writes waiting for a thread, at most, to admit a new job
+        self._waiting: OrderedDict[Key, Callable[[], object]] = OrderedDict()
+        self._granted: set[Key] = set()
         self._lock = threading.Lock()
         self._chains: dict[tuple[str, str], deque[Callable[[], None]]] = {}
         self._drained: dict[Key, tuple[int, Callable[[], object]]] = {}
@@ -207,6 +209,7 @@ class JobWriter:
         handed = time.perf_counter()
         if not head:
             self._send(view, events, pods, handed, on_done)
+            self._admitted((view.namespace, view.name))
             _call(on_head, None)
             return None
         held: Future[None] = Future()
@@ -222,21 +225,58 @@ class JobWriter:
                     except Exception as failed:
                         error = ActionFailed(action, failed)
                     finally:
-                        kind = write_kind(action)
-                        # A new job's first status patch waited for its admission as well.
-                        self._observe(
-                            "first_status" if new and kind == "status" else kind, time.perf_counter() - handed
-                        )
+                        self._observe(write_kind(action), time.perf_counter() - handed)
                     if error is not None:
                         break
                 if error is None:
                     self._send(view, events, pods, handed, on_done)
+                self._admitted((view.namespace, view.name))
                 _call(on_head, error)
             finally:
                 held.set_result(None)
 
         self._heads.submit(run_head, priority=NEW if new else STARTED)
         return held
+
+    def admit(self, job: Key, retry: Callable[[], object]) -> bool:
+        """Whether a new job's pass may hand its writes over now: when no new job waits, fewer
+        than GRANTS admitted ones have yet to send their pod writes, and no more pod writes wait
+        for a thread than the pool has threads; or when its turn came. Otherwise it waits, and
+        `retry()` is called once its turn comes, in the order the jobs asked (a job asking again
+        keeps its place). An admitted job counts until its pass's pod writes are in the pool."""
+        with self._lock:
+            if job in self._granted:
+                return True
+            if not self._waiting and len(self._granted) < GRANTS and self.pool.queued() <= self._room:
+                self._granted.add(job)
+                return True
+            self._waiting.setdefault(job, retry)
+        self._grant()  # the pool may have drained before this job asked
+        return False
+
+    def _admitted(self, job: Key) -> None:
+        """The job's pass sent its pod writes (or its head failed): the next new job's turn."""
+        with self._lock:
+            if job not in self._granted:
+                return
+            self._granted.discard(job)
+        self._grant()
+
+    def forget(self, job: Key) -> None:
+        """The job is gone: it no longer waits for admission."""
+        with self._lock:
+            self._waiting.pop(job, None)
+            self._granted.discard(job)
+        self._grant()
+
+    def _grant(self) -> None:
+        """The turn of the first waiting new job, when the pod pool has room (see `admit`)."""
+        with self._lock:
+            if not self._waiting or len(self._granted) >= GRANTS or self.pool.queued() > self._room:
+                return
+            job, retry = self._waiting.popitem(last=False)
+            self._granted.add(job)
+        retry()
 
     def when_drained(self, job: Key, at_most: int, fn: Callable[[], object]) -> None:
         """Calls `fn()` once the job has at most `at_most` pod writes in flight (at once when it
