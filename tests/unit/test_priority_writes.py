@@ -114,7 +114,7 @@ def test_new_jobs_are_admitted_in_order_as_the_pod_writes_queued_go_out() -> Non
     assert writer.admit(("ml", "b"), lambda: None) and writer.admit(("ml", "d"), lambda: None)
 
 
-def test_deletions_go_before_creations_and_events_last() -> None:
+def test_deletions_go_before_creations_and_events() -> None:
     writes = Writes()
     writer = JobWriter(writes.head, writes.pod, writes.event, head_concurrency=1, pod_concurrency=1)
     done = threading.Event()
@@ -134,6 +134,6 @@ def test_deletions_go_before_creations_and_events_last() -> None:
     assert writes.log == [
         "CreatePod a-worker-0",
         "DeletePod b-worker-0",
-        "CreatePod b-worker-1",
         "event Restart",
+        "CreatePod b-worker-1",
     ]

@@ -246,15 +246,18 @@ class JobPassRunner:
                 return None
             if self.finalizer is not None and not finalized(job.get("metadata") or {}, self.finalizer):
                 return None
+            # A new job, admitted as the API server takes the pod writes (see the writer), is
+            # asked before observing: at 500 jobs, passes deciding for jobs not admitted yet and
+            # throwing the decision away doubled the passes (9,758 against 4,351) and the CPU.
+            if not (job.get("status") or {}).get("phase") and not self.kube.writer.admit(
+                key, functools.partial(self._soon.submit, self.trigger, namespace, name)
+            ):
+                return None
             observed = self.kube.observe(job)
             stage = "decide"
             decided = plan(observed, self.settings.reconciler)
             if decided.progress_only and self._progress_later(key):
                 return None
-            if not (job.get("status") or {}).get("phase") and not self.kube.writer.admit(
-                key, functools.partial(self._soon.submit, self.trigger, namespace, name)
-            ):
-                return None  # a new job, admitted as the API server takes the pod writes: see writer
             stage = "act"
             return self.kube.submit(
                 job,

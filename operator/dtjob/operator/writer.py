@@ -18,8 +18,8 @@
   runner shows it on the job and retries with backoff).
 
 Both pools run the most urgent write first (dtjob.operator.priority_pool, the priorities below):
-the writes of a job already started before a new job's first ones; deletions, then creations,
-then events. And a new job is admitted (`admit`: its first pass hands its writes over) only while
+the writes of a job already started before a new job's first ones; deletions before creations
+and events. And a new job is admitted (`admit`: its first pass hands its writes over) only while
 no more pod writes wait for a thread than the pod pool has threads, in the order the new jobs
 asked: the operator takes on new jobs as fast as the API server takes the pod writes of those it
 started, instead of queueing every new job's pods in front of them.
@@ -67,8 +67,8 @@ STARTED, NEW = 0, 1
 # on KWOK) and 8 jobs' writes (4-5 each at 500 jobs of 4 workers).
 GRANTS = 8
 # The pod pool: deletions first (a restart and the capacity it frees wait for them), then
-# creations, then events (no pass waits for one).
-DELETE, CREATE, EVENT = 0, 1, 2
+# creations and events in the pass's order (an event explains the writes after it).
+DELETE, CREATE, EVENT = 0, 1, 1
 
 
 class JobChanged(Exception):
