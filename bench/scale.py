@@ -16,8 +16,11 @@ run it) in a fresh namespace, on a devcluster of simulated nodes only (`up --nod
   Running; then a tenth of the jobs lose a worker at once -> their next generations all Running.
 
 Times come from a watch on the namespace's pods (when the last pod of a generation went Running),
-never from the operator's log. Beside them: the operator's reconcile latency p50/p99 (its own
-histogram, dtjob_operator_reconcile_duration_seconds, over the run), the latency of its writes
+never from the operator's log. The status lag: from a watch on the pods and one on the jobs, how
+long each pod's change (Running, Failed) took to show in its job's status (readyReplicas counting
+it, or the restart's next generation; dtjob.devcluster.status_lag), p50/p99 over the changes.
+Beside them: the operator's reconcile latency p50/p99 (its own histogram,
+dtjob_operator_reconcile_duration_seconds, over the run), the latency of its writes
 (dtjob_operator_write_duration_seconds: status patches, and pod creations and deletions, each from
 the pass handing it over to its answer), its peak RSS and CPU seconds,
 the requests of its Kubernetes client by verb (dtjob_operator_api_requests_total), every client's
@@ -33,6 +36,7 @@ saved runs of the same scenario and size); the table and bench/results/scale.png
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -63,6 +67,7 @@ from dtjob.devcluster.scale_harness import (
     simulated_job,
     wait,
 )
+from dtjob.devcluster.status_lag import JobWatch, status_lags, summary
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
@@ -288,6 +293,8 @@ def timeline(watch: PodWatch, job: str | None, generation: int, start: float) ->
 def run_workers(admin: Admin, namespace: str, size: int) -> dict[str, Any]:
     watch = PodWatch(admin, namespace)
     watch.start()
+    jobs = JobWatch(admin, namespace)
+    jobs.start()
     try:
         start = time.time()
         create_jobs(admin, namespace, [simulated_job(namespace, "big", size, gpus=1, max_restarts=100)])
@@ -326,14 +333,38 @@ def run_workers(admin: Admin, namespace: str, size: int) -> dict[str, Any]:
             "create_timeline": created,
             "restart_timeline": restarted,
             "checks": checks,
+            **lag(watch, jobs),
         }
     finally:
         watch.stop()
+        jobs.stop()
+
+
+def lag(pods: PodWatch, jobs: JobWatch) -> dict[str, Any]:
+    """A pod's change -> its job's status (dtjob.devcluster.status_lag), p99 over the pods'
+    changes, each kind apart in `status_lag`."""
+
+    def shown() -> bool:
+        return all(
+            v != float("inf") for vs in status_lags(pods.records(), jobs.snapshot()).values() for v in vs
+        )
+
+    # Every change shown, or 60 s more (then the unshown ones make the p99 None: unbounded).
+    with contextlib.suppress(TimeoutError):
+        wait("every pod change in its job's status", shown, 60, interval=1.0)
+    lags = summary(status_lags(pods.records(), jobs.snapshot()))
+    return {
+        "status_lag_p50_s": lags["all"]["p50_s"],
+        "status_lag_p99_s": lags["all"]["p99_s"],
+        "status_lag": lags,
+    }
 
 
 def run_jobs(admin: Admin, namespace: str, count: int) -> dict[str, Any]:
     watch = PodWatch(admin, namespace)
     watch.start()
+    jobs = JobWatch(admin, namespace)
+    jobs.start()
     names = [f"job-{i:03d}" for i in range(count)]
     try:
         start = time.time()
@@ -378,9 +409,11 @@ def run_jobs(admin: Admin, namespace: str, count: int) -> dict[str, Any]:
             "lost": len(lose),
             "create_timeline": created,
             "checks": checks,
+            **lag(watch, jobs),
         }
     finally:
         watch.stop()
+        jobs.stop()
 
 
 def one_run(admin: Admin, scenario: str, size: int, repeat: int, logs: Path) -> dict[str, Any]:
@@ -419,6 +452,8 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         "reconcile_p99_s",
         "write_status_p99_s",
         "write_pod_p99_s",
+        "status_lag_p50_s",
+        "status_lag_p99_s",
         "apiserver_p99_s",
         "operator_peak_rss_mb",
         "operator_cpu_s",
@@ -450,6 +485,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         "rec p50 ms",
         "rec p99 ms",
         "write p99 ms status / pods",
+        "pod -> status lag p50 / p99 ms",
         "api p99 ms",
         "RSS MB",
         "CPU s",
@@ -472,6 +508,7 @@ def table(rows: list[dict[str, Any]]) -> str:
             ms(r["reconcile_p50_s"]),
             ms(r["reconcile_p99_s"]),
             f"{ms(r.get('write_status_p99_s'))} / {ms(r.get('write_pod_p99_s'))}",
+            f"{ms(r.get('status_lag_p50_s'))} / {ms(r.get('status_lag_p99_s'))}",
             ms(r["apiserver_p99_s"]),
             r["operator_peak_rss_mb"],
             r["operator_cpu_s"],

@@ -128,6 +128,7 @@ class PodRecord:
     added: float  # time.time() when the watch reported it
     scheduled: float | None = None  # when the watch first reported it bound to a node
     running: float | None = None  # when the watch first reported it Running
+    failed: float | None = None  # when the watch first reported it Failed
     deleted: float | None = None
     pod_ip: str | None = None
 
@@ -147,8 +148,12 @@ class PodWatch:
     _rv: str = ""
     error: str | None = None
 
+    def path(self) -> str:
+        """The collection watched (a subclass watches another one)."""
+        return f"/api/v1/namespaces/{self.namespace}/pods"
+
     def start(self) -> None:
-        listed = self.admin.request("GET", f"/api/v1/namespaces/{self.namespace}/pods")
+        listed = self.admin.request("GET", self.path())
         for pod in listed.get("items") or []:
             self._record("ADDED", pod)
         self._rv = str(listed["metadata"]["resourceVersion"])
@@ -158,8 +163,7 @@ class PodWatch:
 
     def _open(self) -> None:
         self._response = self.admin.stream(
-            f"/api/v1/namespaces/{self.namespace}/pods?watch=true&resourceVersion={self._rv}"
-            "&allowWatchBookmarks=true"
+            f"{self.path()}?watch=true&resourceVersion={self._rv}&allowWatchBookmarks=true"
         )
 
     def _lines(self) -> Any:
@@ -222,6 +226,8 @@ class PodWatch:
                 record.pod_ip = status["podIP"]
             if record.running is None and status.get("phase") == "Running":
                 record.running = now
+            if record.failed is None and status.get("phase") == "Failed":
+                record.failed = now
             if kind == "DELETED":
                 record.deleted = now
 

@@ -143,6 +143,7 @@ class Kube:
     def forget(self, namespace: str, name: str) -> None:
         self.scraper.forget((namespace, name))
         self.written.pop((namespace, name), None)
+        self.writer.forget((namespace, name))
 
     # observing ----------------------------------------------------------------------------
     def get_job(self, namespace: str, name: str, fresh: bool = False) -> dict[str, Any] | None:

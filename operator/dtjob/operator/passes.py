@@ -16,6 +16,10 @@ timer (`tick`, every `interval_seconds`) runs a pass only when one is due, a pol
 `resync_seconds` passed since the job's last pass. 200 running jobs no longer cost 40 passes a
 second that find nothing to do.
 
+A new job's pass (no phase yet) hands its writes over only once the writer admits the job
+(`JobWriter.admit`: while few pod writes wait for the API server, first come first served); until
+then the job keeps no status and its pass runs again when its turn comes.
+
 A pass reads the job from the operator's cache and its pods as the pod writes still in flight
 will leave them (dtjob.operator.expectations), decides, and hands the actions to the writer
 (dtjob.operator.writer) without waiting for their answers. The writer patches the status only
@@ -241,6 +245,13 @@ class JobPassRunner:
                 self.forget(namespace, name)
                 return None
             if self.finalizer is not None and not finalized(job.get("metadata") or {}, self.finalizer):
+                return None
+            # A new job, admitted as the API server takes the pod writes (see the writer), is
+            # asked before observing: at 500 jobs, passes deciding for jobs not admitted yet and
+            # throwing the decision away doubled the passes (9,758 against 4,351) and the CPU.
+            if not (job.get("status") or {}).get("phase") and not self.kube.writer.admit(
+                key, functools.partial(self._soon.submit, self.trigger, namespace, name)
+            ):
                 return None
             observed = self.kube.observe(job)
             stage = "decide"

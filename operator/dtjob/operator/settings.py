@@ -94,9 +94,11 @@ class ObserverSettings:
     job_write_concurrency: int = 16
     """Status patches (with a pass's other writes to the job's own objects: its Service, PodGroup,
     its deletion) in flight at once, over all jobs; one per job at a time. A pool apart from the
-    pod writes', so a job's status never waits behind another job's 1,024 pod creations. 500
-    jobs created at once queue their first status patches for up to 29 s (p99) on 16 threads; on
-    32 they waited 10 s, but the API server answered everyone slower and the 500 jobs were all
+    pod writes', so a job's status never waits behind another job's 1,024 pod creations, and the
+    jobs already started go first; a new job is admitted while no more than `api_concurrency`
+    pod writes wait for a thread (dtjob.operator.writer). 500 jobs created at once queued their
+    first status patches for up to 29 s (p99) on 16 first-come threads; on 32
+    they waited 10 s, but the API server answered everyone slower and the 500 jobs were all
     Running later (72 and 97 s against 57 s, one run each, bench/README.md)."""
 
     metrics_timeout_seconds: float = 1.0

@@ -17,6 +17,13 @@
   write of the pass is answered, with the first that failed in the reconciler's order (the
   runner shows it on the job and retries with backoff).
 
+Both pools run the most urgent write first (dtjob.operator.priority_pool, the priorities below):
+the writes of a job already started before a new job's first ones; deletions before creations
+and events. And a new job is admitted (`admit`: its first pass hands its writes over) only while
+no more pod writes wait for a thread than the pod pool has threads, in the order the new jobs
+asked: the operator takes on new jobs as fast as the API server takes the pod writes of those it
+started, instead of queueing every new job's pods in front of them.
+
 Every write's time from the pass handing it over to its answer goes into a histogram by kind
 (`dtjob_operator_write_duration_seconds`): the reconcile histogram no longer holds it.
 """
@@ -27,9 +34,9 @@ import functools
 import logging
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 from dtjob.operator.actions import (
@@ -44,9 +51,24 @@ from dtjob.operator.actions import (
 )
 from dtjob.operator.expectations import Expectations, Expected, Key, PodWrite
 from dtjob.operator.jobview import JobView
+from dtjob.operator.priority_pool import PriorityPool
 
 log = logging.getLogger("dtjob.operator")
 Outcome = Callable[[Exception | None], None]
+
+# Priorities on the writer's pools (dtjob.operator.priority_pool; 0 first). The head pool: the
+# writes of a job already started before a new job's first ones. First come, first served, 500
+# new jobs' first status patches and their 2,000 pod creations went ahead of the started jobs'
+# status patches and restarts: pod writes waited 29 s p99 from their hand-over, status patches
+# 9.7 s (bench/README.md "Scale").
+STARTED, NEW = 0, 1
+# New jobs admitted (`admit`) whose pod writes are not in the pod pool yet, at most: the pool's
+# queue then stays within about its threads (32: 0.2-0.4 s at the 90-170 pod writes/s measured
+# on KWOK) and 8 jobs' writes (4-5 each at 500 jobs of 4 workers).
+GRANTS = 8
+# The pod pool: deletions first (a restart and the capacity it frees wait for them), then
+# creations and events in the pass's order (an event explains the writes after it).
+DELETE, CREATE, EVENT = 0, 1, 1
 
 
 class JobChanged(Exception):
@@ -164,8 +186,11 @@ class JobWriter:
         self._event = event
         self._observe = observe
         self.expectations = expectations if expectations is not None else Expectations()
-        self._heads = ThreadPoolExecutor(head_concurrency, thread_name_prefix="job-write")
-        self.pool = ThreadPoolExecutor(pod_concurrency, thread_name_prefix="pod-write")
+        self._heads = PriorityPool(head_concurrency, "job-write")
+        self.pool = PriorityPool(pod_concurrency, "pod-write", on_take=self._grant)
+        self._room = pod_concurrency  # pod writes waiting for a thread, at most, to admit a new job
+        self._waiting: OrderedDict[Key, Callable[[], object]] = OrderedDict()
+        self._granted: set[Key] = set()
         self._lock = threading.Lock()
         self._chains: dict[tuple[str, str], deque[Callable[[], None]]] = {}
         self._drained: dict[Key, tuple[int, Callable[[], object]]] = {}
@@ -177,12 +202,14 @@ class JobWriter:
         head to wait for, `on_head` was called already). `on_done` is not called when the head
         failed: none of the pod writes was sent."""
         view = JobView(job)
+        new = not view.status.get("phase")
         head = [a for a in actions if not isinstance(a, (CreatePod, DeletePod, EmitEvent))]
         events = [a for a in actions if isinstance(a, EmitEvent)]
         pods = [a for a in actions if isinstance(a, (CreatePod, DeletePod))]
         handed = time.perf_counter()
         if not head:
             self._send(view, events, pods, handed, on_done)
+            self._admitted((view.namespace, view.name))
             _call(on_head, None)
             return None
         held: Future[None] = Future()
@@ -203,12 +230,53 @@ class JobWriter:
                         break
                 if error is None:
                     self._send(view, events, pods, handed, on_done)
+                self._admitted((view.namespace, view.name))
                 _call(on_head, error)
             finally:
                 held.set_result(None)
 
-        self._heads.submit(run_head)
+        self._heads.submit(run_head, priority=NEW if new else STARTED)
         return held
+
+    def admit(self, job: Key, retry: Callable[[], object]) -> bool:
+        """Whether a new job's pass may hand its writes over now: when no new job waits, fewer
+        than GRANTS admitted ones have yet to send their pod writes, and no more pod writes wait
+        for a thread than the pool has threads; or when its turn came. Otherwise it waits, and
+        `retry()` is called once its turn comes, in the order the jobs asked (a job asking again
+        keeps its place). An admitted job counts until its pass's pod writes are in the pool."""
+        with self._lock:
+            if job in self._granted:
+                return True
+            if not self._waiting and len(self._granted) < GRANTS and self.pool.queued() <= self._room:
+                self._granted.add(job)
+                return True
+            self._waiting.setdefault(job, retry)
+        self._grant()  # the pool may have drained before this job asked
+        return False
+
+    def _admitted(self, job: Key) -> None:
+        """The job's pass sent its pod writes (or its head failed): the next new job's turn."""
+        with self._lock:
+            if job not in self._granted:
+                return
+            self._granted.discard(job)
+        self._grant()
+
+    def forget(self, job: Key) -> None:
+        """The job is gone: it no longer waits for admission."""
+        with self._lock:
+            self._waiting.pop(job, None)
+            self._granted.discard(job)
+        self._grant()
+
+    def _grant(self) -> None:
+        """The turn of the first waiting new job, when the pod pool has room (see `admit`)."""
+        with self._lock:
+            if not self._waiting or len(self._granted) >= GRANTS or self.pool.queued() > self._room:
+                return
+            job, retry = self._waiting.popitem(last=False)
+            self._granted.add(job)
+        retry()
 
     def when_drained(self, job: Key, at_most: int, fn: Callable[[], object]) -> None:
         """Calls `fn()` once the job has at most `at_most` pod writes in flight (at once when it
@@ -224,7 +292,7 @@ class JobWriter:
         self, job: JobView, events: list[EmitEvent], pods: list[PodWrite], handed: float, on_done: Outcome
     ) -> None:
         for event in events:
-            self.pool.submit(self._one_event, job, event, handed)
+            self.pool.submit(self._one_event, job, event, handed, priority=EVENT)
         if not pods:
             _call(on_done, None)
             return
@@ -233,7 +301,8 @@ class JobWriter:
         batch = _Batch(len(pods), on_done)
         for index, expected in enumerate(self.expectations.expect(key, pods)):
             task = functools.partial(self._pod_write, key, expected, index, batch, handed)
-            self._chain((job.namespace, expected.write.name), task)
+            priority = DELETE if isinstance(expected.write, DeletePod) else CREATE
+            self._chain((job.namespace, expected.write.name), task, priority)
 
     def _one_event(self, job: JobView, event: EmitEvent, handed: float) -> None:
         try:
@@ -243,15 +312,16 @@ class JobWriter:
         finally:
             self._observe("event", time.perf_counter() - handed)
 
-    def _chain(self, pod: tuple[str, str], task: Callable[[], None]) -> None:
-        """Runs `task` on the pool after the pod's earlier writes."""
+    def _chain(self, pod: tuple[str, str], task: Callable[[], None], priority: int) -> None:
+        """Runs `task` on the pool after the pod's earlier writes (at the priority of the first
+        write of the chain: the later ones follow it on its thread)."""
         with self._lock:
             queue = self._chains.get(pod)
             if queue is not None:
                 queue.append(task)
                 return
             self._chains[pod] = deque()
-        self.pool.submit(self._run_chain, pod, task)
+        self.pool.submit(self._run_chain, pod, task, priority=priority)
 
     def _run_chain(self, pod: tuple[str, str], task: Callable[[], None]) -> None:
         while True:
