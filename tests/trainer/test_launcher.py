@@ -16,9 +16,10 @@ from tests.trainer.runtime_gang import SOURCE_ROOTS
 CHILD = r"""
 import os, signal, sys, time
 out = sys.argv[1]
+# The handler before the file: the test sends SIGTERM once every file exists.
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(75))
 with open(os.path.join(out, "rank" + os.environ["RANK"]), "w") as f:
     f.write(" ".join(os.environ[k] for k in ("RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE")))
-signal.signal(signal.SIGTERM, lambda *_: sys.exit(75))
 mode = sys.argv[2]
 if mode == "finish":
     sys.exit(0)
