@@ -175,6 +175,7 @@ def _train(case: dict[str, Any]) -> dict[str, Any]:
     opt = tp_cases.optimizer(wrapped)
     checkpoint = TrainState(wrapped, opt) if "save_to" in case or "load_from" in case else None
     if checkpoint is not None and "load_from" in case:
+        dist.barrier()  # a checkpoint saved by an earlier case of this world: every rank's file
         harness._load_checkpoint(checkpoint, case["load_from"])
     losses: list[float] = []
     norms: list[float] = []
@@ -260,7 +261,19 @@ def _errors(case: dict[str, Any]) -> dict[str, Any]:
         "checkpoint_pipeline": _message(
             lambda: local_shards_of(pipeline(split(), stages=2, group=_dp_pp_of_tp2()))
         ),
+        "checkpoint_bare": _message(lambda: local_shards_of(split())),
+        "checkpoint_other_tp": _message(lambda: _load_at_tp(4, fully_shard(split(), group=m.dp))),
     }
+
+
+def _load_at_tp(saved_tp: int, wrapped: nn.Module) -> None:
+    """TrainState.load of a checkpoint whose manifest says it was written at TP size saved_tp."""
+    from dtjob.trainer.train_state import TrainState
+
+    def fetch(key: str, start: int, length: int) -> torch.Tensor:
+        raise AssertionError(f"fetched {key} from a checkpoint of another TP size")
+
+    TrainState(wrapped).load(fetch, {"tensor_parallel": saved_tp}, {})
 
 
 def _dp_pp_of_tp2() -> Any:

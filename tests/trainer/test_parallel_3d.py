@@ -1,9 +1,9 @@
 """3-D parallelism against one process running the unwrapped model (fp32, AdamW, 10 steps, global
 batch of 4), on gloo: TP=2 x DP=2 with ZeRO-2 (and ZeRO-3) over the DP group, TP=2 x PP=2 (TP
 inside each pipeline stage), DP=2 x TP=2 x PP=2 (world 8); TrainState checkpoints resumed at
-another DP size; for HF GPT-2 (tied vocab-split wte/lm_head), HF Llama and a
-user's own T5-like encoder with an explicit plan; the mesh's groups; the refusals. Every case of
-one world runs in one spawned group (tests/trainer/_parallel_3d_cases.py)."""
+another DP size (into and out of a TP x PP pipeline); for HF GPT-2 (tied vocab-split wte/lm_head),
+HF Llama and a user's own T5-like encoder with an explicit plan; the mesh's groups; the
+refusals. Every case of one world runs in one spawned group (tests/trainer/_parallel_3d_cases.py)."""
 
 from __future__ import annotations
 
@@ -72,10 +72,22 @@ SAVED = [
         "wrapper": "ddp",
     },
 ]
+# A TP=2 x PP=2 pipeline's checkpoint (world 4) resumed by TP=2 x ZeRO-2 at world 2 (pipeline to
+# fully_shard), and the ZeRO-2 one above resumed by a TP=2 x PP=2 pipeline (DP 2 -> 1, world 4).
+SAVED.append({"name": "encoder-pp-save", "kind": "train", "model": "encoder", "dp": 1, "tp": 2, "pp": 2})
 RESUMED = [
-    {**c, "name": c["name"].replace("save", "resume"), "dp": 1, "zero": 2, "wrapper": None, "start_step": 4}
+    {
+        **c,
+        "name": c["name"].replace("save", "resume"),
+        "dp": 1,
+        "pp": 1,
+        "zero": 2,
+        "wrapper": None,
+        "start_step": 4,
+    }
     for c in SAVED
 ]
+PIPELINE_RESUMED = {**SAVED[0], "name": "encoder-resume-as-pp", "dp": 1, "pp": 2, "start_step": 4}
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +99,8 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def world4(checkpoints: dict[str, str]) -> list[dict[str, Any]]:
     saved = [{**c, "steps": 4, "save_to": checkpoints[c["name"]]} for c in SAVED]
-    cases = [{"name": "mesh", "kind": "mesh"}, {"name": "errors", "kind": "errors"}, *TRAIN, *saved]
+    resumed = {**PIPELINE_RESUMED, "load_from": checkpoints[SAVED[0]["name"]]}  # after its save
+    cases = [{"name": "mesh", "kind": "mesh"}, {"name": "errors", "kind": "errors"}, *TRAIN, *saved, resumed]
     return run_3d_world(4, cases)
 
 
@@ -138,6 +151,13 @@ def check(world: list[dict[str, Any]], case: dict[str, Any]) -> None:
 def test_checkpoint_resumes_at_another_dp_size(world2: list[dict[str, Any]], case: dict[str, Any]) -> None:
     """Steps 4-9 after the resume equal steps 4-9 of one process's uninterrupted run."""
     check(world2, {**case, "clip": None})
+
+
+@pytest.mark.slow
+def test_a_pipeline_resumes_a_zero2_checkpoint_at_another_dp_size(world4: list[dict[str, Any]]) -> None:
+    """TP=2 x DP=2 ZeRO-2's step-4 checkpoint, loaded by a TP=2 x PP=2 pipeline (DP 1): steps 4-9
+    equal one process's."""
+    check(world4, {**PIPELINE_RESUMED, "clip": None})
 
 
 THREE_D = [
@@ -207,6 +227,9 @@ def test_refusals_name_the_alternative(world4: list[dict[str, Any]]) -> None:
     assert "mixes ranks of different tensor-parallel coordinates" in errors["fully_shard_mixed"]
     assert "pipeline: its group holds ranks [0, 1]" in errors["pipeline_world"]
     assert "mesh(...).dp_pp" in errors["pipeline_world"]
-    assert "under pipeline" in errors["checkpoint_pipeline"]
-    assert "save full_state_dict(model)" in errors["checkpoint_pipeline"]
+    assert errors["checkpoint_pipeline"] == "accepted"  # TP-qualified names, as fully_shard's
     assert errors["checkpoint_fsdp"] == "accepted"
+    assert "checkpoints of a tensor_parallel model on its own" in errors["checkpoint_bare"]
+    assert "save full_state_dict(model)" in errors["checkpoint_bare"]
+    assert "written at tensor-parallel size 4, this model's is 2" in errors["checkpoint_other_tp"]
+    assert "convert it through full_state_dict" in errors["checkpoint_other_tp"]

@@ -194,6 +194,8 @@ def test_every_rule_has_a_failing_case() -> None:
         ("spec.template", _set(f"{CONTAINER}.image", "dtjob/trainer:0.2.0")),
         ("spec.checkpoint", _set("spec.checkpoint.mountPath", "/elsewhere")),
         ("spec.checkpoint", _delete("spec.checkpoint")),
+        ("spec.parallelism", _spec(nprocPerWorker=2, parallelism={"tensor": 2})),
+        ("spec.parallelism", _spec(nprocPerWorker=2, parallelism={"pipeline": 2})),
     ],
 )
 def test_immutable_fields(field: str, change: Callable[[dict[str, Any]], None]) -> None:
@@ -212,7 +214,24 @@ def test_mutable_fields_change_freely() -> None:
     new["spec"]["runPolicy"] = {"suspend": True}
     new["spec"]["elastic"]["maxRestarts"] = 10
     assert validate_job(new, old) == []
-    assert len(TRANSITION_RULES) == 3
+    assert len(TRANSITION_RULES) == 4
+
+
+def test_parallelism_compares_its_sizes_and_names_the_way_to_change_them() -> None:
+    """Unset and {tensor: 1, pipeline: 1} are the same sizes; dropping T=2 is a change."""
+    old = base_job()
+    old["spec"].update(nprocPerWorker=2, parallelism={"tensor": 2})
+    same = copy.deepcopy(old)
+    same["spec"]["parallelism"] = {"tensor": 2, "pipeline": 1}
+    assert validate_job(same, old) == []
+    explicit_ones = copy.deepcopy(base_job())
+    explicit_ones["spec"]["parallelism"] = {"tensor": 1, "pipeline": 1}
+    assert validate_job(explicit_ones, base_job()) == []
+    dropped = copy.deepcopy(old)
+    del dropped["spec"]["parallelism"]
+    problems = validate_job(dropped, old)
+    assert len(problems) == 1 and problems[0].startswith("spec.parallelism: parallelism is immutable")
+    assert "delete and recreate the job" in problems[0] and "full_state_dict" in problems[0]
 
 
 def test_validate_job_accepts_a_model() -> None:

@@ -149,11 +149,9 @@ def test_the_trainer_takes_the_declared_parallelism_and_refuses_a_disagreeing_fl
         ),
         (
             ["--tensor-parallel", "2", "--strategy", "pipeline", "--pipeline-stages", "2"],
-            {contract.ENV_WORLD_SIZE: "8"},
-            "--tensor-parallel (env DTJOB_TENSOR_PARALLEL)=2 with --strategy pipeline is not supported by "
-            "the built-in trainer (its checkpoints of a tensor-parallel pipeline are not); use --strategy "
-            "ddp or fsdp with it, or your own loop: pipeline(tensor_parallel(model, ...), "
-            "group=mesh(...).dp_pp)",
+            {contract.ENV_WORLD_SIZE: "6"},
+            "WORLD_SIZE=6 is not a multiple of --tensor-parallel (env DTJOB_TENSOR_PARALLEL)=2 x "
+            "--pipeline-stages (env DTJOB_PIPELINE_STAGES)=2; run a multiple of 4",
         ),
         (
             ["--tensor-parallel", "4"],
@@ -192,3 +190,10 @@ def test_the_global_batch_splits_over_data_parallel_replicas_only() -> None:
     """TP 2 at world 8: 4 replicas; 12 samples split 3 per replica (not 8 ways)."""
     c = parse(["--tensor-parallel", "2", "--global-batch-size", "12"], {contract.ENV_WORLD_SIZE: "8"})
     assert c.data_parallel_size == 4
+
+
+def test_tensor_parallel_with_a_pipeline_is_accepted_and_replicas_are_t_x_p_processes() -> None:
+    """TP 2 x PP 2 at world 8: 2 data-parallel replicas of 4 processes each."""
+    argv = ["--tensor-parallel", "2", "--strategy", "pipeline", "--pipeline-stages", "2"]
+    c = parse([*argv, "--global-batch-size", "8"], {contract.ENV_WORLD_SIZE: "8"})
+    assert (c.tensor_parallel, c.stages, c.data_parallel_size) == (2, 2, 2)

@@ -13,6 +13,9 @@ Immutable fields (transition rules, checked on update only):
 - `template`: the running gang was created from it; an elastic restart would mix pods of two
   templates in one process group, and new code may not load the old checkpoints. As with
   batch/v1 Job, change the template by creating a new job.
+- `parallelism`: the checkpoint's split parameters are stored per tensor-parallel rank and its
+  pipeline stages per stage; another tensor or pipeline size cannot load them. Delete and
+  recreate the job, converting the checkpoint through full_state_dict.
 Everything else may change while a job runs: `replicas` (a planned rescale), the elastic bounds,
 the scheduling policy (used by the next generation) and the run policy (`suspend`).
 """
@@ -82,6 +85,16 @@ _T = "(has(self.parallelism.tensor) ? self.parallelism.tensor : 1)"
 _P = "(has(self.parallelism.pipeline) ? self.parallelism.pipeline : 1)"
 _LOW = "(has(self.elastic) && has(self.elastic.minReplicas) ? self.elastic.minReplicas : self.replicas)"
 _HIGH = "(has(self.elastic) && has(self.elastic.maxReplicas) ? self.elastic.maxReplicas : self.replicas)"
+
+
+def _sizes(spec: str) -> str:
+    """CEL: [tensor, pipeline] of `spec` (self or oldSelf), 1 where unset, as _tp gives them."""
+    sizes = [
+        f"(has({spec}.parallelism) && has({spec}.parallelism.{f}) ? {spec}.parallelism.{f} : 1)"
+        for f in ("tensor", "pipeline")
+    ]
+    return "[" + ", ".join(sizes) + "]"
+
 
 RULES: tuple[Rule, ...] = (
     Rule(
@@ -187,6 +200,15 @@ TRANSITION_RULES: tuple[TransitionRule, ...] = (
         "template is immutable (create a new job to change it)",
         lambda new, old: new.template == old.template,
         "an elastic restart would mix pods of two templates in one gang (as with batch/v1 Job)",
+    ),
+    TransitionRule(
+        "parallelism",
+        f"{_sizes('self')} == {_sizes('oldSelf')}",
+        "parallelism is immutable: the checkpoint is split by it; delete and recreate the job, "
+        "converting the checkpoint with full_state_dict",
+        lambda new, old: _tp(new) == _tp(old),
+        "the checkpoint holds each parameter per tensor-parallel rank and per pipeline stage; "
+        "another size cannot load it",
     ),
 )
 

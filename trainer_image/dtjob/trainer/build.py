@@ -156,8 +156,8 @@ def parallelize(model: nn.Module, c: TrainerConfig) -> Parallel:
     """--tensor-parallel T > 1: the mesh (dp = world / (T x P), tp = T, pp = P: P = --pipeline-stages
     under --strategy pipeline, else 1), the model split with tensor_parallel's plan "auto" over its
     TP group, then wrapped for --strategy over the data-parallel group (a pipeline over dp x pp).
-    The vocab-split head's logits take vocab_parallel_cross_entropy. T = 1: wrap() as ever.
-    (config.py refuses T > 1 with --strategy pipeline for now: the session's checkpoints of it.)"""
+    The vocab-split head's logits take vocab_parallel_cross_entropy (a pipeline's last stage's
+    loss). T = 1: wrap() as ever."""
     if c.tensor_parallel == 1:
         return Parallel(wrap(model, c), lm_loss)
     if not has_auto_plan(model):

@@ -378,14 +378,11 @@ def _validate_tensor_parallel(c: TrainerConfig) -> None:
         f"WORLD_SIZE={c.world_size} is not a multiple of {_where('tensor_parallel')}={T}; run a "
         "multiple of it (spec.parallelism.tensor divides spec.nprocPerWorker)",
     )
-    # ElasticSession's checkpoints (TrainState) of a TP model under pipeline are refused by the
-    # pipeline (parallel/pp/module.py local_shards), and the built-in trainer always tracks one.
+    # A replica is T x P processes (--strategy pipeline): T and P each dividing it is not enough.
     _require(
-        c.strategy != "pipeline",
-        f"{_where('tensor_parallel')}={T} with --strategy pipeline is not supported by the built-in "
-        "trainer (its checkpoints of a tensor-parallel pipeline are not); use --strategy ddp or fsdp "
-        "with it, or your own loop: pipeline(tensor_parallel(model, ...), group=mesh(...).dp_pp) and "
-        "full_state_dict(model) for checkpoints",
+        c.world_size % (T * c.stages) == 0,
+        f"WORLD_SIZE={c.world_size} is not a multiple of {_where('tensor_parallel')}={T} x "
+        f"{_where('pipeline_stages')}={c.stages}; run a multiple of {T * c.stages}",
     )
     _require(
         c.model != "mlp",

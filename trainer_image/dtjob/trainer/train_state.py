@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from dtjob.trainer.parallel.shards import FetchRange, FlatShard, LocalShard, local_tensor
+from dtjob.trainer.parallel.tp.module import check_checkpoint_tp_size, tp_size_of
 
 
 def local_shards_of(model: nn.Module) -> tuple[list[LocalShard], list[LocalShard]]:
@@ -121,7 +122,7 @@ class TrainState:
         """JSON: per parameter its optimizer's non-tensor state, the tensor states' names, and the
         parameter groups' settings (identical on every rank for the same script)."""
         if self.optimizer is None:
-            return {}
+            return {"tensor_parallel": tp_size_of(self.model)}
         params, _ = local_shards_of(self.model)
         scalars: dict[str, dict[str, Any]] = {}
         tensor_states: set[str] = set()
@@ -142,6 +143,8 @@ class TrainState:
             for g in self.optimizer.param_groups
         ]
         return {
+            # Split parameters are stored per TP rank: another size cannot load them (load()).
+            "tensor_parallel": tp_size_of(self.model),
             "tensor_states": sorted(tensor_states),
             # One copy when every parameter has the same (Adam's step count): identical on every
             # rank whichever parameters it holds, with no communication.
@@ -161,6 +164,8 @@ class TrainState:
 
     # -- reading ---------------------------------------------------------------------------------
     def load(self, fetch: FetchRange, extra: Mapping[str, Any], global_state: Mapping[str, Any]) -> None:
+        if "tensor_parallel" in extra:  # absent from checkpoints written before it was recorded
+            check_checkpoint_tp_size(int(extra["tensor_parallel"]), self.model)
         params, buffers = local_shards_of(self.model)
         optim = extra if self.optimizer is not None else {}
         tensor_states = optim.get("tensor_states", [])

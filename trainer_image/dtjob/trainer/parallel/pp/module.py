@@ -58,7 +58,7 @@ from dtjob.trainer.parallel.pp import boundary, wire
 from dtjob.trainer.parallel.pp.schedule import P2P, exchanges
 from dtjob.trainer.parallel.pp.split import auto_split, plan, spec_of, zeros_of
 from dtjob.trainer.parallel.shards import LocalShard
-from dtjob.trainer.parallel.tp.module import check_wrappable, refuse_checkpoint_shards, tp_state
+from dtjob.trainer.parallel.tp.module import check_wrappable, checkpoint_shards
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -693,25 +693,22 @@ class Pipeline(common.Wrapper):
         return self.stage == min(self.plan.owners[id(p)])
 
     def local_shards(self) -> list[LocalShard]:
-        if tp_state(self.module) is not None:  # its parameters are TP shards
-            return refuse_checkpoint_shards()
         out = []
         for name, p in self._stage_params:
             shard = LocalShard.replicated(name, p, self.dp_comm.rank, self.dp_comm.size)
             if not self._writes(p):
                 shard = LocalShard(name, p, tuple(p.shape), 0, (0, 0))
             out.append(shard)
-        return out
+        return checkpoint_shards(self.module, out)  # a tensor_parallel model's: TP-qualified names
 
     def local_buffers(self) -> list[LocalShard]:
-        if tp_state(self.module) is not None:
-            return refuse_checkpoint_shards()
         buffers = common.persistent_buffers(self.module)
-        return [
+        shards = [
             LocalShard.from_replica0(n, b, self.dp_comm.rank)
             for n, b in buffers.items()
             if self.plan.buffer_owner.get(n) == self.stage
         ]
+        return checkpoint_shards(self.module, shards)
 
     def after_load(self) -> None:
         pass

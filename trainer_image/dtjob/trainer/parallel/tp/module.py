@@ -93,12 +93,32 @@ def mark_bucket_grads(model: nn.Module, grads: Iterable[tuple[nn.Parameter, torc
 
 def refuse_checkpoint_shards() -> list[LocalShard]:
     """What a tensor-parallel model answers to the checkpoint code (TrainState) where it is not
-    under data_parallel or fully_shard: which ranks replicate it is not known."""
+    under data_parallel, fully_shard or pipeline: which ranks replicate it is not known."""
     raise NotSupported(
-        "checkpoints of a tensor_parallel model on its own or under pipeline (TrainState, ElasticSession) "
-        "are not supported; wrap it with data_parallel or fully_shard over group=mesh(...).dp (one rank "
-        "is fine), or save full_state_dict(model) on rank 0 and load it into the unwrapped model"
+        "checkpoints of a tensor_parallel model on its own (TrainState, ElasticSession) are not "
+        "supported; wrap it with data_parallel or fully_shard over group=mesh(...).dp (one rank is "
+        "fine) or pipeline over group=mesh(...).dp_pp, or save full_state_dict(model) on rank 0 and "
+        "load it into the unwrapped model"
     )
+
+
+def tp_size_of(model: nn.Module) -> int:
+    """The tensor-parallel size T of `model` (a wrapper's inner model included): 1 unless split."""
+    state = tp_state(getattr(model, "module", model))
+    return 1 if state is None else state.comm.size
+
+
+def check_checkpoint_tp_size(saved: int, model: nn.Module) -> None:
+    """A checkpoint's split parameters are named per TP rank of its T (tp_checkpoint_name): at
+    another T they are other tensors. Refuse that, naming the conversion."""
+    mine = tp_size_of(model)
+    if saved != mine:
+        raise ValueError(
+            f"checkpoint: written at tensor-parallel size {saved}, this model's is {mine}; resume with "
+            f"the same size (the data-parallel size may change), or convert it through full_state_dict: "
+            f"load it at size {saved}, save full_state_dict(model), load that into the unwrapped model, "
+            "then tensor_parallel() it"
+        )
 
 
 def tp_checkpoint_name(name: str, rank: int, size: int) -> str:
@@ -109,7 +129,7 @@ def tp_checkpoint_name(name: str, rank: int, size: int) -> str:
 
 
 def checkpoint_shards(model: nn.Module, shards: list[LocalShard]) -> list[LocalShard]:
-    """A data_parallel / fully_shard wrapper's local shards of a tensor_parallel model (each its
+    """A data_parallel / fully_shard / pipeline wrapper's local shards of a tensor_parallel model (each its
     data-parallel piece of this TP rank's tensor) as checkpoint entries: a split parameter under
     its TP-qualified name (tp_checkpoint_name), the replicated ones (and the buffers) written by TP
     rank 0 only, so every element is written once."""
