@@ -33,10 +33,11 @@ cluster-tools-in-background:
 
 # Everything CI runs: lint first (seconds, before any cluster build), then two halves at once
 # (make -j2; each half's output is printed whole when it ends), every test under a per-test
-# timeout (tests/timeouts.py). test-e2e is the critical path and mostly waits on pods, the API
-# server and timeouts; test-local (the CPU-bound unit and trainer tests, then the floor run) fits
-# in its wait: in series they took 26 and 13 minutes of a 50-minute CI run. The floor venv installs
-# in the background meanwhile. PYTEST_ARGS go to both halves: to select tests of one half, run it.
+# timeout (tests/timeouts.py). In series they took 26 (e2e) and 13 minutes of a 50-minute CI run;
+# at once, 44 and 41 of a 47.8-minute one (bench/README.md "CI time"): on 2 cores the e2e pods'
+# trainers and the local tests share the CPU, so this saves about 2 minutes, and the floor venv
+# installs in the background meanwhile. PYTEST_ARGS go to both halves: to select tests of one
+# half, run it.
 test: venv
 	$(MAKE) lint
 	$(MAKE) floor-venv-in-background
