@@ -212,10 +212,19 @@ def _session_file(layout: Layout) -> Path:
 
 
 def other_live_sessions(layout: Layout) -> list[int]:
-    """Pids of other pytest sessions that registered as users of this cluster and still run."""
+    """Pids of other pytest sessions that registered as users of this cluster and still run. A
+    session killed before its teardown leaves its file behind, and its pid may be reused by any
+    process: only a process still running pytest counts."""
     sessions = layout.root / "sessions"
     pids = [int(p.name) for p in sessions.iterdir() if p.name.isdigit()] if sessions.is_dir() else []
-    return [pid for pid in pids if pid != os.getpid() and Path(f"/proc/{pid}").exists()]
+    return [pid for pid in pids if pid != os.getpid() and _runs_pytest(pid)]
+
+
+def _runs_pytest(pid: int) -> bool:
+    try:
+        return b"pytest" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:  # gone
+        return False
 
 
 def pytest_configure(config: pytest.Config) -> None:
